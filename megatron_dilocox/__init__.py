@@ -1,0 +1,1 @@
+"""megatron-dilocox: Megatron-core GPT pretraining with DiLoCoX outer sync across clusters."""
