@@ -1,0 +1,72 @@
+"""Dataclass configs for megatron-dilocox."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SYNC_MODES = ("sync", "delay", "delay-naive")
+
+
+@dataclass
+class DiLoCoXConfig:
+    """Settings of the DiLoCoX outer loop (the ``--dilocox-*`` flags)."""
+
+    clusters: int = 2
+    """Number of clusters C; each holds a full model replica and trains on its own data.
+    ``--dilocox-clusters``."""
+
+    local_steps: int = 20
+    """Inner optimizer steps H between two outer synchronisations. ``--dilocox-local-steps``."""
+
+    sync_mode: str = "delay"
+    """Overlap policy at a round boundary. ``--dilocox-sync-mode``.
+
+    ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
+    ``delay``: one-step-delay overlap; apply the previous round's average and keep the
+    replica's own fresh progress (the default).
+    ``delay-naive``: ablation of ``delay`` that drops the fresh progress; unstable with the
+    default outer settings, never use it for real runs.
+    """
+
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD. ``--dilocox-outer-lr``."""
+
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD, in [0, 1). ``--dilocox-outer-momentum``."""
+
+    nesterov: bool = True
+    """Use Nesterov momentum in the outer SGD; ``--dilocox-no-nesterov`` turns it off."""
+
+    outer_timeout_s: float = 3600.0
+    """Seconds a round boundary waits for the cross-cluster reduction before failing
+    (a dead peer cluster must not hang training forever). ``--dilocox-outer-timeout-s``."""
+
+    def validate(self) -> None:
+        """Checks the settings.
+
+        Raises:
+            ValueError: with a one-line message naming the offending flag.
+        """
+        if self.clusters < 1:
+            raise ValueError(f"--dilocox-clusters must be >= 1, got {self.clusters}")
+        if self.local_steps < 1:
+            raise ValueError(f"--dilocox-local-steps must be >= 1, got {self.local_steps}")
+        if self.sync_mode not in SYNC_MODES:
+            raise ValueError(
+                f"--dilocox-sync-mode must be one of {', '.join(SYNC_MODES)}, got {self.sync_mode!r}"
+            )
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"--dilocox-outer-lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(
+                f"--dilocox-outer-momentum must be in [0, 1), got {self.outer_momentum}"
+            )
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError(
+                "Nesterov needs --dilocox-outer-momentum > 0; "
+                "pass --dilocox-no-nesterov for plain outer SGD"
+            )
+        if not self.outer_timeout_s > 0:
+            raise ValueError(
+                f"--dilocox-outer-timeout-s must be > 0, got {self.outer_timeout_s}"
+            )

@@ -1,0 +1,344 @@
+"""DiLoCoX round boundary for one rank: pseudo-gradient, cross-cluster reduction, outer step.
+
+Every H inner steps the training loop calls :meth:`OuterSync.step`. Notation (DESIGN.md §3), all
+fp32 and flat over the shard this rank owns:
+
+* ``base``        outer parameters; bit-identical on the C ranks of the outer group.
+* ``round_start`` the point this round's local training started from.
+* ``params``      the live parameters the inner optimizer trains (read and written here).
+* ``delta_t = round_start - params``: this replica's progress in round t, measured from where
+  the round started, before anything is applied.
+* ``g_t = mean over clusters of delta_t``; ``Nesterov(base, g)`` is :class:`OuterNesterov`.
+
+Modes at boundary t:
+
+* ``sync``:  ``base = Nesterov(base, g_t)``; ``params = round_start = base``.
+* ``delay``: ``base = Nesterov(base, g_{t-1})`` (nothing at t = 0); start reducing ``delta_t``
+  in the background; ``params = round_start = base - delta_t``.
+  Each replica's progress is counted exactly once: during round t+1 its own ``delta_t`` is in
+  its params as a local carry; at boundary t+1 ``delta_{t+1}`` is measured from
+  ``round_start``, so it holds only round t+1's progress, and the carry is replaced by
+  ``g_t`` (which contains ``delta_t`` averaged) when the new start ``base' - delta_{t+1}``
+  is written.
+* ``delay-naive`` (ablation): as ``delay`` but ``params = round_start = base`` (the fresh
+  progress reaches the model only through the stale average; unstable with lr 0.7 / m 0.9).
+
+Non-finite pseudo-gradients: the reduced ``g`` is checked with ``torch.isfinite`` before it is
+applied. Any NaN/Inf sent by any cluster makes the fp32 sum non-finite, and the reduced tensor is
+bit-identical on every rank, so all ranks skip the same round (``RoundStats.skipped``), without
+an extra collective. On a skip ``base`` is unchanged and the round's work is dropped everywhere:
+``params`` restart from ``base`` (in ``delay`` mode from ``base - delta_t``, the fresh progress
+that is already on its way). A replica whose own ``delta_t`` is non-finite still sends it (so the
+group skips it in step) but restarts from ``base`` at once instead of training on NaN.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.outer.optimizer import OuterNesterov
+
+Reducer = Callable[[list[torch.Tensor], Any], list[torch.Tensor]]
+
+
+@dataclass
+class RoundStats:
+    """What happened at one round boundary (or at :meth:`OuterSync.finish`).
+
+    ``bytes_sent``, ``comm_s``, ``wait_s`` and ``skipped`` describe the reduction whose result
+    was applied at this call (in the delay modes: the previous round's). ``pseudo_grad_*``
+    describe the local ``delta`` measured at this call (0 for ``finish``).
+    """
+
+    outer_step: int
+    """Number of round boundaries passed so far (1 at the first)."""
+    iteration: int
+    """Training iteration given to :meth:`OuterSync.step`."""
+    bytes_sent: int
+    """Payload bytes this rank sent to the outer group for the applied reduction."""
+    comm_s: float
+    """Wall time of that reduction itself, measured in the worker thread."""
+    wait_s: float
+    """Time this call blocked waiting for the reduction."""
+    pseudo_grad_norm: float
+    """L2 norm of this rank's local ``delta`` (its shard only)."""
+    pseudo_grad_sq: float
+    """Squared L2 norm of the local ``delta``; sum it within the cluster for the global norm."""
+    skipped: bool
+    """The reduced pseudo-gradient was non-finite and was not applied."""
+
+
+class ByteCounter:
+    """Issues cross-cluster collectives and counts their payload bytes.
+
+    Every collective :class:`OuterSync` issues goes through one of these, so ``bytes`` is all
+    this module sent (payload, not wire bytes: a ring allreduce moves about twice as much).
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place ``dist.all_reduce`` over ``group``, counted."""
+        with self._lock:
+            self.bytes += tensor.numel() * tensor.element_size()
+            self.calls += 1
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+
+def allreduce_mean(
+    tensors: list[torch.Tensor], group, counter: ByteCounter | None = None
+) -> list[torch.Tensor]:
+    """Default reducer: in-place fp32 mean over ``group`` (identity when ``group`` is None).
+
+    Sums with ``all_reduce`` and then divides by the group size. The sum is bit-identical on all
+    ranks: gloo's (and NCCL's) ring allreduce reduces each chunk once, on one path, and then
+    circulates the finished chunk, so every rank receives the same bits; dividing identical bits
+    by the same number stays identical.
+    """
+    if group is None:
+        return tensors
+    size = dist.get_world_size(group)
+    for t in tensors:
+        if counter is not None:
+            counter.all_reduce(t, group)
+        else:
+            dist.all_reduce(t, group=group)
+        t.div_(size)
+    return tensors
+
+
+class _Reduced(NamedTuple):
+    grad: torch.Tensor
+    comm_s: float
+    nbytes: int
+
+
+def _done(result: _Reduced) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(result)
+    return future
+
+
+class OuterSync:
+    """The DiLoCoX outer loop of one rank (see the module docstring for the math).
+
+    Args:
+        params: live fp32 tensors this rank trains (the inner optimizer's main params). Read and
+            written in place at boundaries only; the background thread never touches them.
+        group: process group of the C ranks (one per cluster) holding the same shard, used by
+            the background thread only (create a dedicated one); None when C == 1.
+        config: outer settings; ``config.clusters`` must equal the group size.
+        reducer: ``reducer(tensors, group) -> tensors`` used instead of :func:`allreduce_mean`
+            (a test hook; it must return bit-identical results on all ranks and should send
+            through ``counter`` to be counted).
+        counter: byte counter for the default reducer; a fresh one if None.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        group,
+        config: DiLoCoXConfig,
+        reducer: Reducer | None = None,
+        counter: ByteCounter | None = None,
+    ):
+        config.validate()
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("OuterSync needs at least one parameter")
+        for p in self.params:
+            if p.dtype != torch.float32:
+                raise ValueError(f"OuterSync needs the fp32 main params, got {p.dtype}")
+            if p.device != self.params[0].device:
+                raise ValueError("OuterSync params must all be on one device")
+        clusters = 1 if group is None else dist.get_world_size(group)
+        if clusters != config.clusters:
+            raise ValueError(
+                f"--dilocox-clusters is {config.clusters} but the outer group has {clusters} ranks"
+            )
+        self.group = group
+        self.config = config
+        self.counter = counter if counter is not None else ByteCounter()
+        self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
+        with torch.no_grad():
+            self.base = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.base_views = self._views(self.base)
+        # sync and delay-naive always start a round from base: share the buffer.
+        self.round_start = self.base.clone() if config.sync_mode == "delay" else self.base
+        self.optimizer = OuterNesterov(
+            [self.base], config.outer_lr, config.outer_momentum, config.nesterov
+        )
+        self.outer_step = 0
+        self._iteration = 0
+        self._inflight: concurrent.futures.Future | None = None
+        # One worker: reductions run one at a time, in launch order, on every rank.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
+
+    @torch.no_grad()
+    def step(self, iteration: int) -> RoundStats:
+        """Round boundary; call after every H inner steps, on every rank, in the same order."""
+        self.outer_step += 1
+        self._iteration = iteration
+        mode = self.config.sync_mode
+        delta = torch.empty_like(self.base)
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=delta)
+        torch.sub(self.round_start, delta, out=delta)
+        sq = float(torch.dot(delta, delta))
+        local_ok = bool(torch.isfinite(delta).all())
+
+        if mode == "sync":
+            self._submit(delta)
+        result, wait_s = self._wait()  # sync: this round's; delay modes: the previous round's
+        skipped = result is not None and not self._apply(result.grad)
+        if mode == "delay":
+            if local_ok:
+                torch.sub(self.base, delta, out=self.round_start)
+            else:
+                warnings.warn(
+                    f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite; "
+                    "restarting this replica from base (the group skips it next boundary)",
+                    RuntimeWarning,
+                )
+                self.round_start.copy_(self.base)
+        self._write_params(self.round_start)
+        if mode != "sync":
+            self._submit(delta)  # hands delta over to the worker; no more reads here
+
+        return RoundStats(
+            outer_step=self.outer_step,
+            iteration=iteration,
+            bytes_sent=result.nbytes if result else 0,
+            comm_s=result.comm_s if result else 0.0,
+            wait_s=wait_s,
+            pseudo_grad_norm=math.sqrt(sq),
+            pseudo_grad_sq=sq,
+            skipped=skipped,
+        )
+
+    @torch.no_grad()
+    def finish(self) -> RoundStats | None:
+        """Drains and applies the in-flight reduction and sets ``params = base``.
+
+        Call at the end of training, right after the last :meth:`step`, so the final model
+        includes every round's averaged work. Returns None (and changes nothing) when nothing
+        is in flight, e.g. in ``sync`` mode.
+        """
+        result, wait_s = self._wait()
+        if result is None:
+            return None
+        skipped = not self._apply(result.grad)
+        self.round_start.copy_(self.base)
+        self._write_params(self.base)
+        return RoundStats(
+            self.outer_step, self._iteration, result.nbytes, result.comm_s, wait_s, 0.0, 0.0,
+            skipped,
+        )
+
+    def close(self) -> None:
+        """Stops the worker thread (waits for a running reduction)."""
+        self._executor.shutdown(wait=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer state for a checkpoint: base, round start, outer optimizer, in-flight round.
+
+        Waits for the in-flight reduction and stores its reduced, not yet applied result, so a
+        resumed run applies it at its next boundary exactly as this run would. Returns
+        references, not copies: save before the next :meth:`step`. ``params`` (the inner
+        optimizer's main params) are the caller's to checkpoint.
+        """
+        result, _ = self._wait()
+        if result is not None:
+            self._inflight = _done(result)  # keep it for the next boundary of this run too
+        return {
+            "sync_mode": self.config.sync_mode,
+            "outer_step": self.outer_step,
+            "base": self.base,
+            "round_start": self.round_start,
+            "optimizer": self.optimizer.state_dict(),
+            "pending_grad": None if result is None else result.grad,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output (tensors are copied)."""
+        if state["sync_mode"] != self.config.sync_mode:
+            raise ValueError(
+                f"checkpoint was written with --dilocox-sync-mode {state['sync_mode']}, "
+                f"resume with the same mode (got {self.config.sync_mode})"
+            )
+        if state["base"].shape != self.base.shape:
+            raise ValueError(
+                f"checkpoint outer shard has {state['base'].numel()} elements, "
+                f"this rank has {self.base.numel()}"
+            )
+        self._wait()  # drop whatever this instance had in flight
+        with torch.no_grad():
+            self.round_start.copy_(state["round_start"])  # before base: they may share storage
+            self.base.copy_(state["base"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = int(state["outer_step"])
+        g = state["pending_grad"]
+        if g is not None:
+            self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def _write_params(self, flat: torch.Tensor) -> None:
+        for p, v in zip(self.params, self._views(flat)):
+            p.copy_(v)
+
+    def _submit(self, delta: torch.Tensor) -> None:
+        assert self._inflight is None, "a reduction is already in flight"
+        self._inflight = self._executor.submit(self._reduce, delta)
+
+    def _reduce(self, delta: torch.Tensor) -> _Reduced:
+        # Runs in the worker thread; owns ``delta`` (a private tensor) and nothing else.
+        start_bytes, start = self.counter.bytes, time.perf_counter()
+        (g,) = self.reducer([delta], self.group)
+        assert g.shape == delta.shape and g.dtype == torch.float32
+        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes)
+
+    def _wait(self) -> tuple[_Reduced | None, float]:
+        if self._inflight is None:
+            return None, 0.0
+        start = time.perf_counter()
+        try:
+            result = self._inflight.result(timeout=self.config.outer_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"DiLoCoX outer reduction not done after {self.config.outer_timeout_s:.0f} s "
+                "(--dilocox-outer-timeout-s): is a peer cluster down?"
+            ) from None
+        self._inflight = None
+        return result, time.perf_counter() - start
+
+    def _apply(self, g: torch.Tensor) -> bool:
+        if not bool(torch.isfinite(g).all()):
+            warnings.warn(
+                f"DiLoCoX outer step {self.outer_step}: reduced pseudo-gradient is non-finite; "
+                "skipping the outer update",
+                RuntimeWarning,
+            )
+            return False
+        self.optimizer.step([g])
+        return True

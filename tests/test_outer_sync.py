@@ -1,0 +1,361 @@
+"""OuterSync against the single-process reference, in one process (C = 1) and over gloo (C = 2).
+
+The C = 2 scenarios all run in ONE launch of two forked worker processes (process start costs
+seconds); the module-scoped fixture collects their results and the tests below check them.
+Toy problem: every cluster runs H SGD steps on its own random quadratic
+``0.5 * sum(c * (p - target)**2)``; nothing is zero.
+"""
+import hashlib
+import io
+import math
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+import warnings
+from dataclasses import asdict
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.outer.reference import ReferenceDiLoCo
+from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
+
+MODES = ("sync", "delay", "delay-naive")
+SHAPES = [(5, 7), (13,), (3, 4, 2), (129,)]
+PAYLOAD = sum(math.prod(s) for s in SHAPES) * 4  # fp32 bytes of one pseudo-gradient
+H, ROUNDS = 3, 5
+SLEEP, COMPUTE = 0.3, 0.6  # overlap scenario: reduction time, local-steps time
+
+
+def toy_init():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def toy_data(cluster):
+    g = torch.Generator().manual_seed(100 + cluster)
+    targets = [torch.randn(s, generator=g) + cluster for s in SHAPES]
+    curvatures = [torch.rand(s, generator=g) + 0.5 for s in SHAPES]
+    return targets, curvatures
+
+
+def local_steps(params, data, steps, lr=0.1):
+    for _ in range(steps):
+        for p, target, c in zip(params, *data):
+            p.sub_(lr * c * (p - target))
+
+
+def digest(tensors):
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def config(mode, clusters=2, **kwargs):
+    return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **kwargs)
+
+
+def run_reference(mode, clusters=2, rounds=ROUNDS):
+    replicas = [toy_init() for _ in range(clusters)]
+    ref = ReferenceDiLoCo(replicas[0], clusters, mode)
+    base_digests = []
+    for _ in range(rounds):
+        for k in range(clusters):
+            local_steps(replicas[k], toy_data(k), H)
+        ref.step(replicas)
+        base_digests.append(digest(ref.base))
+    ref.finish(replicas)
+    return replicas, base_digests
+
+
+# -- worker scenarios (run inside each of the two gloo processes) ------------------------------
+
+
+def scenario_modes(rank, group):
+    out = {}
+    for mode in MODES:
+        params, data = toy_init(), toy_data(rank)
+        sync = OuterSync(params, group, config(mode))
+        rounds = []
+        for r in range(ROUNDS):
+            before = sync.counter.bytes
+            local_steps(params, data, H)
+            mid = sync.counter.bytes
+            stats = sync.step((r + 1) * H)
+            rounds.append(dict(stats=asdict(stats), before=before, mid=mid,
+                               after=sync.counter.bytes, base=digest([sync.base])))
+        fin = sync.finish()
+        out[mode] = dict(rounds=rounds, finish=fin and asdict(fin), bytes=sync.counter.bytes,
+                         calls=sync.counter.calls, drained=sync._inflight is None,
+                         params=[p.clone() for p in params], base=sync.base.clone())
+        sync.close()
+    return out
+
+
+def scenario_nan(rank, group):
+    out = {}
+    for mode in ("sync", "delay"):
+        params, data = toy_init(), toy_data(rank)
+        sync = OuterSync(params, group, config(mode))
+        rounds = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for r in range(4):
+                local_steps(params, data, 2)
+                if rank == 1 and r == 1:
+                    params[1][3] = float("nan")
+                stats = sync.step(r)
+                rounds.append(dict(skipped=stats.skipped, base=digest([sync.base]),
+                                   base_finite=bool(sync.base.isfinite().all()),
+                                   params_finite=all(bool(p.isfinite().all()) for p in params)))
+            fin = sync.finish()
+        out[mode] = dict(rounds=rounds, finish_skipped=fin and fin.skipped,
+                         warnings=[str(w.message) for w in caught if w.category is RuntimeWarning],
+                         params_finite=all(bool(p.isfinite().all()) for p in params))
+        sync.close()
+    return out
+
+
+def slow_reducer(counter, seconds):
+    def reduce(tensors, group):
+        time.sleep(seconds)
+        return allreduce_mean(tensors, group, counter)
+    return reduce
+
+
+def scenario_overlap(rank, group):
+    out = {}
+    for mode, rounds in (("delay", 3), ("sync", 2)):
+        counter = ByteCounter()
+        params, data = toy_init(), toy_data(rank)
+        sync = OuterSync(params, group, config(mode), slow_reducer(counter, SLEEP), counter)
+        stats = []
+        for r in range(rounds):
+            local_steps(params, data, H)
+            time.sleep(COMPUTE)  # the H local steps of a real model take longer than the link
+            stats.append(asdict(sync.step(r)))
+        fin = sync.finish()
+        out[mode] = dict(stats=stats, finish=fin and asdict(fin))
+        sync.close()
+    return out
+
+
+def scenario_resume(rank, group):
+    """delay mode: checkpoint after 2 rounds with the 2nd reduction in flight, resume, finish."""
+    counter = ByteCounter()
+    params, data = toy_init(), toy_data(rank)
+    sync = OuterSync(params, group, config("delay"), slow_reducer(counter, 0.2), counter)
+    for r in range(2):
+        local_steps(params, data, H)
+        sync.step((r + 1) * H)
+    was_inflight = not sync._inflight.done()
+    buf = io.BytesIO()
+    torch.save({"outer": sync.state_dict(), "params": params}, buf)
+    sync.close()
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    params = [p.clone() for p in ckpt["params"]]
+    sync = OuterSync(params, group, config("delay"))
+    sync.load_state_dict(ckpt["outer"])
+    for r in range(2, ROUNDS):
+        local_steps(params, data, H)
+        sync.step((r + 1) * H)
+    sync.finish()
+    sync.close()
+    return dict(was_inflight=was_inflight, had_pending=ckpt["outer"]["pending_grad"] is not None,
+                params=params)
+
+
+def _worker(rank, port, out_dir):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=timedelta(seconds=60))
+        group = dist.new_group([0, 1])  # the dedicated outer group
+        results = dict(modes=scenario_modes(rank, group), nan=scenario_nan(rank, group),
+                       overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Results of all C = 2 scenarios, one dict per rank."""
+    out = tmp_path_factory.mktemp("outer_sync")
+    ctx = multiprocessing.get_context("fork")  # fork after import: no second torch import
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text() for f in sorted(out.glob("*.err"))]
+    codes = [p.exitcode for p in procs]
+    if errors or codes != [0, 0]:
+        pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+# -- C = 2 over gloo ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference_and_ranks_agree(ranks, mode):
+    replicas, ref_digests = run_reference(mode)
+    for r in range(ROUNDS):
+        digests = [ranks[k]["modes"][mode]["rounds"][r]["base"] for k in range(2)]
+        assert digests[0] == digests[1], f"round {r}: base differs across ranks"
+        assert digests[0] == ref_digests[r], f"round {r}: base differs from the reference"
+    for k in range(2):
+        res = ranks[k]["modes"][mode]
+        for p, q in zip(res["params"], replicas[k]):
+            assert torch.equal(p, q), f"rank {k}: max diff {(p - q).abs().max()}"
+        assert torch.equal(res["base"], ranks[0]["modes"][mode]["base"])
+        assert torch.equal(res["base"], torch.cat([p.reshape(-1) for p in res["params"]]))
+        for r, rnd in enumerate(res["rounds"]):
+            s = rnd["stats"]
+            assert (s["outer_step"], s["iteration"], s["skipped"]) == (r + 1, (r + 1) * H, False)
+            assert s["pseudo_grad_norm"] > 0
+            assert s["pseudo_grad_norm"] == pytest.approx(math.sqrt(s["pseudo_grad_sq"]))
+
+
+def test_modes_differ(ranks):
+    finals = [torch.cat([p.reshape(-1) for p in ranks[0]["modes"][m]["params"]]) for m in MODES]
+    assert not torch.equal(finals[0], finals[1]) and not torch.equal(finals[1], finals[2])
+
+
+def test_sync_bytes_only_at_boundaries(ranks):
+    for res in (rank["modes"]["sync"] for rank in ranks):
+        for r, rnd in enumerate(res["rounds"]):
+            assert rnd["mid"] == rnd["before"] == r * PAYLOAD  # nothing between boundaries
+            assert rnd["after"] == (r + 1) * PAYLOAD
+            assert rnd["stats"]["bytes_sent"] == PAYLOAD
+        assert res["finish"] is None and res["drained"]
+        assert (res["bytes"], res["calls"]) == (ROUNDS * PAYLOAD, ROUNDS)  # one allreduce a round
+
+
+@pytest.mark.parametrize("mode", ["delay", "delay-naive"])
+def test_delay_bytes_one_payload_per_round_and_finish_drains(ranks, mode):
+    for res in (rank["modes"][mode] for rank in ranks):
+        for r, rnd in enumerate(res["rounds"]):
+            # r reductions launched before boundary r; at least r - 1 of them done
+            assert rnd["before"] in (max(r - 1, 0) * PAYLOAD, r * PAYLOAD)
+            assert rnd["mid"] in (max(r - 1, 0) * PAYLOAD, r * PAYLOAD)
+            assert rnd["after"] in (r * PAYLOAD, (r + 1) * PAYLOAD)
+            assert rnd["stats"]["bytes_sent"] == (PAYLOAD if r else 0)
+        assert res["finish"]["bytes_sent"] == PAYLOAD and not res["finish"]["skipped"]
+        assert res["drained"]
+        assert (res["bytes"], res["calls"]) == (ROUNDS * PAYLOAD, ROUNDS)
+
+
+@pytest.mark.parametrize("mode,skipped_round", [("sync", 1), ("delay", 2)])
+def test_non_finite_round_is_skipped_everywhere(ranks, mode, skipped_round):
+    # rank 1 puts a NaN in its params before boundary 1; delay mode learns of it one round later
+    results = [rank["nan"][mode] for rank in ranks]
+    for k, res in enumerate(results):
+        assert [rnd["skipped"] for rnd in res["rounds"]] == [r == skipped_round for r in range(4)]
+        assert all(rnd["base_finite"] and rnd["params_finite"] for rnd in res["rounds"])
+        assert res["params_finite"] and not res["finish_skipped"]
+        assert any("skipping the outer update" in w for w in res["warnings"])
+        local_warning = any("local pseudo-gradient is non-finite" in w for w in res["warnings"])
+        assert local_warning == (mode == "delay" and k == 1)
+    for a, b in zip(results[0]["rounds"], results[1]["rounds"]):
+        assert a["base"] == b["base"]
+
+
+def test_delay_overlaps_reduction_with_local_steps(ranks):
+    for rank in ranks:
+        delay, sync = rank["overlap"]["delay"]["stats"], rank["overlap"]["sync"]["stats"]
+        assert delay[0]["wait_s"] == 0 and delay[0]["comm_s"] == 0  # nothing in flight yet
+        for s in delay[1:]:
+            assert s["comm_s"] >= 0.95 * SLEEP
+            assert s["wait_s"] < 0.5 * s["comm_s"]
+            assert s["bytes_sent"] == PAYLOAD
+        for s in sync:
+            assert s["comm_s"] >= 0.95 * SLEEP
+            assert s["wait_s"] >= 0.8 * SLEEP
+            assert s["bytes_sent"] == PAYLOAD
+
+
+def test_resume_with_round_in_flight_matches_uninterrupted(ranks):
+    for rank in ranks:
+        res = rank["resume"]
+        assert res["was_inflight"] and res["had_pending"]
+        for p, q in zip(res["params"], rank["modes"]["delay"]["params"]):
+            assert torch.equal(p, q)
+
+
+# -- single process (C = 1, group None) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_single_cluster_matches_reference(mode):
+    (replica,), _ = run_reference(mode, clusters=1)
+    params = toy_init()
+    sync = OuterSync(params, None, config(mode, clusters=1))
+    for r in range(ROUNDS):
+        local_steps(params, toy_data(0), H)
+        assert sync.step(r).bytes_sent == 0
+    sync.finish()
+    sync.close()
+    assert all(torch.equal(p, q) for p, q in zip(params, replica))
+    assert sync.counter.bytes == 0
+
+
+def test_worker_gets_a_private_delta():
+    params = toy_init()
+    seen = []
+
+    def reducer(tensors, group):
+        seen.append(tensors[0].data_ptr())
+        return tensors
+
+    sync = OuterSync(params, None, config("delay", clusters=1), reducer=reducer)
+    for r in range(3):
+        local_steps(params, toy_data(0), H)
+        sync.step(r)
+    sync.finish()
+    sync.close()
+    owned = {p.data_ptr() for p in params} | {sync.base.data_ptr(), sync.round_start.data_ptr()}
+    assert len(seen) == 3 and not owned & set(seen)
+
+
+def test_timeout_names_the_flag():
+    params = toy_init()
+    sync = OuterSync(params, None, config("sync", clusters=1, outer_timeout_s=0.1),
+                     reducer=slow_reducer(ByteCounter(), 0.5))
+    local_steps(params, toy_data(0), H)
+    with pytest.raises(TimeoutError, match="--dilocox-outer-timeout-s"):
+        sync.step(H)
+    sync.close()
+
+
+def test_rejects_bad_setup():
+    with pytest.raises(ValueError, match="outer group has 1 ranks"):
+        OuterSync(toy_init(), None, config("delay", clusters=2))
+    with pytest.raises(ValueError, match="fp32"):
+        OuterSync([t.bfloat16() for t in toy_init()], None, config("delay", clusters=1))
+    with pytest.raises(ValueError, match="--dilocox-local-steps"):
+        OuterSync(toy_init(), None, DiLoCoXConfig(clusters=1, local_steps=0))
+    state = OuterSync(toy_init(), None, config("delay", clusters=1)).state_dict()
+    with pytest.raises(ValueError, match="same mode"):
+        OuterSync(toy_init(), None, config("sync", clusters=1)).load_state_dict(state)
