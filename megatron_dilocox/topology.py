@@ -1,0 +1,133 @@
+"""Process groups: megatron-core's 3D layout inside a cluster, outer groups across clusters.
+
+``world = C clusters x M ranks`` with ``M = TP x PP x DP_in``; cluster ``k`` owns the
+contiguous ranks ``[k*M, (k+1)*M)``. megatron-core is initialised over the whole world
+with the ``tp-pp-dp`` rank order, so that data parallelism is the outermost dimension and
+a cluster is exactly a block of ``DP_in`` data-parallel replicas. The per-step groups handed
+to DDP and the optimizer (:attr:`Topology.pg_collection`) are then narrowed to the
+cluster: with ``C > 1`` no per-step collective leaves a cluster. The outer group of a rank
+holds the ``C`` ranks, one per cluster, that own the same parameter shard.
+"""
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+@dataclass
+class Topology:
+    """Where this rank sits and the groups it talks on."""
+
+    clusters: int
+    """C: number of clusters (1 = vanilla data parallelism across the whole world)."""
+    cluster_size: int
+    """M: ranks per cluster (TP x PP x DP_in)."""
+    cluster_rank: int
+    """k: the cluster this rank belongs to."""
+    inner_dp_size: int
+    """DP_in: data-parallel replicas inside one cluster (all of DP when C = 1)."""
+    inner_dp_rank: int
+    """This rank's data-parallel index inside its cluster."""
+    pg_collection: ProcessGroupCollection
+    """megatron-core groups for DDP, optimizer and grad finalisation (cluster-local)."""
+    cluster_group: dist.ProcessGroup
+    """All ranks of this rank's cluster."""
+    outer_group: dist.ProcessGroup | None
+    """The C ranks holding this rank's shard in every cluster (None when C = 1)."""
+    outer_reduce_group: dist.ProcessGroup | None
+    """A second group over the same ranks, used only by the background outer reduction, so
+    that it never interleaves with the foreground outer collectives."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas over all clusters."""
+        return self.clusters * self.inner_dp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Index of this rank's replica over all clusters (cluster-major)."""
+        return self.cluster_rank * self.inner_dp_size + self.inner_dp_rank
+
+
+def init_distributed(backend: str, timeout_minutes: int) -> None:
+    """Initialises the default process group from torchrun's environment."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _new_groups(rank_lists, timeout=None):
+    """Creates every group in ``rank_lists`` (all ranks must call this alike) and returns
+    the one containing this rank, or None."""
+    mine = None
+    me = dist.get_rank()
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks, timeout=timeout)
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def build_topology(tp: int, pp: int, vpp: int | None, clusters: int,
+                   outer_timeout_s: float = 3600.0) -> Topology:
+    """Initialises megatron-core's parallel state and the cluster/outer groups.
+
+    Must be called by every rank with the same arguments, after :func:`init_distributed`.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world % (tp * pp * clusters) == 0, "checked by arguments.validate_world"
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        order="tp-cp-ep-pp-dp",
+    )
+    cluster_size = world // clusters
+    cluster_rank, local_rank = divmod(rank, cluster_size)
+    model_parallel = tp * pp
+    inner_dp = cluster_size // model_parallel
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    if clusters == 1:
+        cluster_group, outer_group, outer_reduce_group = dist.group.WORLD, None, None
+    else:
+        blocks = [list(range(k * cluster_size, (k + 1) * cluster_size)) for k in range(clusters)]
+        cluster_group = _new_groups(blocks)
+        # Same (tp, pp) coordinate, same cluster: the inner data-parallel group.
+        inner_dp_group = _new_groups([
+            [k * cluster_size + d * model_parallel + mp for d in range(inner_dp)]
+            for k in range(clusters) for mp in range(model_parallel)
+        ])
+        for name in ("dp", "dp_cp", "intra_dp_cp"):
+            setattr(pgc, name, inner_dp_group)
+        # The distributed optimizer reduces grad norms over this group: keep it in the cluster.
+        pgc.intra_dist_opt = cluster_group
+        outer_ranks = [[k * cluster_size + r for k in range(clusters)] for r in range(cluster_size)]
+        timeout = datetime.timedelta(seconds=outer_timeout_s)
+        outer_group = _new_groups(outer_ranks, timeout)
+        outer_reduce_group = _new_groups(outer_ranks, timeout)
+    return Topology(
+        clusters=clusters,
+        cluster_size=cluster_size,
+        cluster_rank=cluster_rank,
+        inner_dp_size=inner_dp,
+        inner_dp_rank=local_rank // model_parallel,
+        pg_collection=pgc,
+        cluster_group=cluster_group,
+        outer_group=outer_group,
+        outer_reduce_group=outer_reduce_group,
+    )
+
+
+def broadcast_object_in_cluster(obj, topo: Topology):
+    """Sends a small Python object from the cluster's first rank to the cluster."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=topo.cluster_rank * topo.cluster_size, group=topo.cluster_group)
+    return holder[0]
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,168 @@
+"""Build the GPT model chunks, initialise them layout-independently, wrap them in DDP."""
+
+import zlib
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_dilocox.topology import Topology
+
+
+def transformer_config(args) -> TransformerConfig:
+    """megatron-core's TransformerConfig from Megatron-LM style flags."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        # megatron initialises (and tags TP params with partition_dim); initialize_parameters then
+        # overwrites the values layout-independently.
+        perform_initialization=True,
+        use_cpu_initialization=on_cpu,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        overlap_p2p_comm=args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=not (args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None),
+        # Fused kernels need CUDA.
+        masked_softmax_fusion=not on_cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        # gloo's asynchronous sends still read a pipeline output after megatron frees it
+        # (measured: wrong losses with the interleaved schedule), so keep outputs on CPU.
+        deallocate_pipeline_outputs=not on_cpu,
+    )
+
+
+def _chunk_stages(vp_stage):
+    return (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def build_gpt_chunks(args, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """The model chunks this rank holds (one per virtual pipeline stage)."""
+    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        pre, post = _chunk_stages(vp_stage if vpp else None)
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+            vp_stage=vp_stage if vpp else None,
+        ))
+    return chunks
+
+
+def _global_names(chunk, tied: bool):
+    """Parameter -> name that does not depend on the layout: layer indices are global, and
+    a tied output layer is named after the embedding it copies."""
+    prefixes = {}
+    for name, module in chunk.named_modules():
+        if isinstance(module, TransformerLayer):
+            prefixes[name + "."] = f"decoder.layers.{module.layer_number - 1}."
+    names = {}
+    for name, param in chunk.named_parameters():
+        for local, global_ in prefixes.items():
+            if name.startswith(local):
+                name = global_ + name[len(local):]
+                break
+        if tied and name == "output_layer.weight":
+            name = "embedding.word_embeddings.weight"
+        names[param] = name
+    return names
+
+
+def _full_shape(param, tp_size):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+def _tp_shard(full, param, name, config, tp_rank, tp_size):
+    """The slice of a full (TP1) tensor that this TP rank holds."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight"):
+        # Each rank holds [gate shard; up shard], not a contiguous block of [gate; up].
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+@torch.no_grad()
+def initialize_parameters(chunks, config: TransformerConfig, seed: int, tied: bool) -> None:
+    """Initialises every parameter from (seed, global name) alone, so the same seed gives the
+    same model on every TP/PP/VPP layout: normal(0, std) for matrices (output projections
+    scaled by 1/sqrt(2L), as in Megatron), ones for norm weights, zeros for biases."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    output_std = config.init_method_std / (2.0 * config.num_layers) ** 0.5
+    for chunk in chunks:
+        for param, name in _global_names(chunk, tied).items():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                std = output_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else config.init_method_std
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(_full_shape(param, tp_size)).normal_(0.0, std, generator=gen)
+                param.copy_(_tp_shard(full, param, name, config, tp_rank, tp_size))
+
+
+def wrap_ddp(chunks, config: TransformerConfig, topo: Topology, use_distributed_optimizer: bool):
+    """megatron-core DDP over the cluster-local data-parallel group; sets the schedule hooks."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    model = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=i > 0, pg_collection=topo.pg_collection)
+        for i, chunk in enumerate(chunks)
+    ]
+    # Without this hook data-parallel replicas silently diverge.
+    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=topo.pg_collection)
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return model
+
