@@ -10,6 +10,8 @@ import argparse
 import math
 import os
 
+from megatron_dilocox.config import SYNC_MODES, DiLoCoXConfig
+
 
 class ConfigError(ValueError):
     """A user error in flags or input files; its message is one line naming the culprit."""
@@ -118,6 +120,41 @@ def _logging_args(parser):
                    help="Append JSON lines here: one per log interval and one per evaluation.")
 
 
+def _dilocox_args(parser):
+    g = parser.add_argument_group(
+        "DiLoCoX", "Train C clusters apart and exchange a pseudo-gradient every H steps "
+                   "instead of reducing gradients across clusters every step.")
+    defaults = DiLoCoXConfig()
+    g.add_argument("--dilocox", action="store_true", help="Enable the DiLoCoX outer loop.")
+    g.add_argument("--dilocox-clusters", type=int, default=defaults.clusters,
+                   help="C: clusters; the world splits into C contiguous blocks of TP x PP x DP_in ranks.")
+    g.add_argument("--dilocox-local-steps", type=int, default=defaults.local_steps,
+                   help="H: inner steps per outer round.")
+    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
+                   help="delay: one-step-delay overlap (default); sync: blocking DiLoCo; "
+                        "delay-naive: ablation that drops fresh local progress (unstable).")
+    g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
+    g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
+                   help="Outer SGD momentum.")
+    g.add_argument("--dilocox-no-nesterov", action="store_false", dest="dilocox_nesterov",
+                   help="Plain momentum instead of Nesterov in the outer SGD.")
+    g.add_argument("--dilocox-outer-timeout-s", type=float, default=defaults.outer_timeout_s,
+                   help="Seconds a round waits for the cross-cluster reduction before failing.")
+
+
+def dilocox_config(args) -> DiLoCoXConfig:
+    """The DiLoCoX settings of a parsed command line."""
+    return DiLoCoXConfig(
+        clusters=args.dilocox_clusters,
+        local_steps=args.dilocox_local_steps,
+        sync_mode=args.dilocox_sync_mode,
+        outer_lr=args.dilocox_outer_lr,
+        outer_momentum=args.dilocox_outer_momentum,
+        nesterov=args.dilocox_nesterov,
+        outer_timeout_s=args.dilocox_outer_timeout_s,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -125,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "without --dilocox this is the vanilla AllReduce baseline.",
         allow_abbrev=False,
     )
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args):
+    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _dilocox_args):
         add(parser)
     return parser
 
@@ -238,6 +275,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_parallel(args)
     _check_training(args)
     _check_data(args)
+    if args.dilocox:
+        try:
+            dilocox_config(args).validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return args
 
 
@@ -248,6 +290,11 @@ def validate_world(args, world_size: int) -> None:
              f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
              f"--pipeline-model-parallel-size = {model_parallel}")
     args.data_parallel_size = world_size // model_parallel
+    clusters = args.dilocox_clusters if args.dilocox else 1
+    _require(args.data_parallel_size % clusters == 0,
+             f"world size {world_size} does not split into --dilocox-clusters {clusters} clusters of "
+             f"TP x PP x DP_in ranks (data-parallel size {args.data_parallel_size})")
+    args.clusters = clusters
     step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = step
@@ -255,6 +302,8 @@ def validate_world(args, world_size: int) -> None:
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size x "
              f"data-parallel size = {step}")
     args.num_microbatches = args.global_batch_size // step
+    # Evaluation runs the whole global batch inside each cluster.
+    args.eval_num_microbatches = args.num_microbatches * clusters
     _require(args.virtual_pipeline_model_parallel_size is None
              or args.num_microbatches % args.pipeline_model_parallel_size == 0,
              f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) to be "

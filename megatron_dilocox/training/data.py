@@ -1,0 +1,86 @@
+"""Train/validation data through megatron-core's GPTDataset, sliced per rank.
+
+Every rank reads its own samples straight from the memory-mapped dataset (no broadcast
+inside a TP group: the read is deterministic). Sample ``i`` of global step ``s`` is
+``s * global_batch + i``; a global batch is cut into micro-batches, and each micro-batch
+into one slice per data-parallel replica. With DiLoCoX the replicas of all clusters share
+this numbering (cluster-major), so every cluster reads a disjoint part of each global batch
+and a DiLoCoX run consumes exactly the tokens of an AllReduce run with the same flags.
+"""
+
+import os
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from megatron_dilocox.arguments import ConfigError
+
+
+def _blend(data_path):
+    if len(data_path) == 1:
+        return [data_path[0]], None
+    return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
+
+
+def _check_files(prefixes):
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            path = prefix + ext
+            if not os.path.isfile(path):
+                raise ConfigError(f"--data-path: file not found: {path}")
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid) GPTDatasets sized for the whole run."""
+    blend = None
+    if not args.mock_data:
+        blend = _blend(args.data_path)
+        _check_files(blend[0])
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    sizes = [args.train_iters * args.global_batch_size, evals * args.global_batch_size, 0]
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=args.data_cache_path,
+        mid_level_dataset_surplus=0.005,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    try:
+        train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    except (AssertionError, ValueError, OSError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"--data-path {' '.join(args.data_path or [])}: unreadable dataset: {first_line}") from err
+    if train is None or valid is None:
+        raise ConfigError(f"--split {args.split}: the train and validation splits must both be non-empty")
+    return train, valid
+
+
+class MicroBatches:
+    """Micro-batches of one replica: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``."""
+
+    def __init__(self, dataset, global_batch_size: int, micro_batch_size: int,
+                 dp_size: int, dp_rank: int):
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+
+    def step(self, step: int):
+        """Iterator over this replica's micro-batches of global step ``step``."""
+        first = step * self.global_batch_size
+        stride = self.micro_batch_size * self.dp_size
+        for m in range(self.num_microbatches):
+            start = first + m * stride + self.dp_rank * self.micro_batch_size
+            samples = [self.dataset[(start + i) % len(self.dataset)] for i in range(self.micro_batch_size)]
+            yield {key: torch.stack([s[key] for s in samples])
+                   for key in ("tokens", "labels", "loss_mask", "position_ids")}

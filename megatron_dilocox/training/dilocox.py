@@ -1,0 +1,112 @@
+"""Connects megatron-core's optimizer to the DiLoCoX outer loop (:mod:`megatron_dilocox.outer`).
+
+The outer loop works on the inner optimizer's fp32 main params (for the distributed optimizer:
+this rank's shard of them). After it writes them, the model's (possibly bf16) weights are
+refreshed from them exactly as megatron does after an optimizer step.
+"""
+
+import contextlib
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.outer.sync import ByteCounter, OuterSync
+from megatron_dilocox.topology import Topology
+
+
+def _leaf_optimizers(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def main_params(optimizer) -> list[torch.Tensor]:
+    """The fp32 params the inner optimizer updates (megatron swaps them into param_groups)."""
+    return [p for opt in _leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
+
+
+class DiLoCoX:
+    """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
+
+    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig, reducer=None):
+        self.optimizer = optimizer
+        self.model = model
+        self.topo = topo
+        self.config = config
+        self.params = main_params(optimizer)
+        self._check_identical_start()
+        self.counter = ByteCounter()
+        self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reducer, counter=self.counter)
+
+    def _check_identical_start(self):
+        """Every replica must start from bit-identical weights (one hash exchange at start)."""
+        digest = hashlib.sha256()
+        for p in self.params:
+            digest.update(p.detach().cpu().numpy().tobytes())
+        mine = digest.hexdigest()
+        everyone = [None] * self.topo.clusters
+        dist.all_gather_object(everyone, mine, group=self.topo.outer_group)
+        if len(set(everyone)) != 1:
+            raise RuntimeError(f"DiLoCoX replicas start from different weights: {everyone}")
+
+    def is_boundary(self, iteration: int) -> bool:
+        return iteration % self.config.local_steps == 0
+
+    def _push_to_model(self):
+        """Copies main params into the model weights (and all-gathers distributed shards)."""
+        for opt in _leaf_optimizers(self.optimizer):
+            if hasattr(opt, "_copy_main_params_to_model_params"):
+                opt._copy_main_params_to_model_params()
+            if getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer:
+                for chunk in opt.model_chunks:
+                    chunk.start_param_sync(force_sync=True)
+
+    def _norm(self, sq: float) -> float:
+        """Global pseudo-gradient norm: sums the per-rank squares over this rank's cluster.
+
+        Parameters replicated across tensor-parallel ranks (norms, biases) count once per TP rank.
+        """
+        group = self.topo.cluster_group if self._distributed_optimizer() else self.topo.pg_collection.mp
+        total = torch.tensor([sq], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        if not self._distributed_optimizer():
+            total /= self.topo.inner_dp_size
+        return float(total.sqrt())
+
+    def _distributed_optimizer(self) -> bool:
+        return any(getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer
+                   for opt in _leaf_optimizers(self.optimizer))
+
+    def _record(self, stats) -> dict:
+        return dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
+                    comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
+                    skipped=stats.skipped)
+
+    def step(self, iteration: int) -> dict:
+        """The round boundary after ``iteration``; returns the round's metrics record."""
+        stats = self.sync.step(iteration)
+        self._push_to_model()
+        return self._record(stats)
+
+    def finish(self) -> dict | None:
+        """Drains and applies the in-flight round, so the final model holds all work."""
+        stats = self.sync.finish()
+        self._push_to_model()
+        self.sync.close()
+        return None if stats is None else self._record(stats)
+
+    @contextlib.contextmanager
+    def global_params(self):
+        """Temporarily puts the outer (global) parameters into the model, e.g. for evaluation."""
+        saved = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, b in zip(self.params, self.sync.base_views):
+                p.copy_(b)
+        self._push_to_model()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+            self._push_to_model()

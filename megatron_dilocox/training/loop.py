@@ -1,0 +1,143 @@
+"""The training loop: batches -> megatron schedule -> inner step -> (every H) outer sync.
+
+Per-step collectives stay inside a cluster: the schedule's pipeline p2p, DDP's gradient
+reduction and the optimizer's grad-norm reduction run on the cluster-local groups of
+:class:`~megatron_dilocox.topology.Topology`; the training loss is reduced only at log
+intervals, over the cluster's data-parallel group.
+"""
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dilocox.training.data import MicroBatches
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum()
+    return loss, tokens.to(torch.int), {"lm loss": torch.stack([loss.detach(), tokens])}
+
+
+def forward_step(data_iterator, model):
+    """megatron's forward-step contract: (output, loss function of the output)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """Runs ``--train-iters`` steps, evaluating and logging as the flags say."""
+
+    def __init__(self, args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox=None):
+        self.args = args
+        self.topo = topo
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.logger = logger
+        self.dilocox = dilocox
+        self.train_batches = MicroBatches(train_data, args.global_batch_size, args.micro_batch_size,
+                                          topo.data_parallel_size, topo.data_parallel_rank)
+        # Each cluster evaluates the whole validation batch on its own replicas.
+        self.valid_batches = MicroBatches(valid_data, args.global_batch_size, args.micro_batch_size,
+                                          topo.inner_dp_size, topo.inner_dp_rank)
+        self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.schedule = get_forward_backward_func()
+        self.eval_round = 0
+        self.final_val_loss = None
+
+    def _run_schedule(self, batches: MicroBatches, step: int, forward_only: bool):
+        iterators = [batches.step(step) for _ in self.model]
+        losses = self.schedule(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=batches.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+        if not self.is_last_stage:
+            return torch.zeros(2, dtype=torch.float64)
+        return torch.stack([x["lm loss"] for x in losses]).sum(0).double()
+
+    def _mean_over_replicas(self, loss_and_tokens: torch.Tensor) -> float:
+        """Token-weighted mean loss over the cluster's data-parallel replicas (last stage only)."""
+        if not self.is_last_stage:
+            return float("nan")
+        total = loss_and_tokens.clone()
+        dist.all_reduce(total, group=self.topo.pg_collection.dp)
+        return float(total[0] / total[1])
+
+    def train_step(self, step: int):
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(self.train_batches, step, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, iteration: int) -> float:
+        for chunk in self.model:
+            chunk.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for _ in range(self.args.eval_iters):
+            total += self._run_schedule(self.valid_batches, self.eval_round, forward_only=True)
+            self.eval_round += 1
+        for chunk in self.model:
+            chunk.train()
+        val_loss = self._mean_over_replicas(total)
+        self.logger.evaluation(iteration, val_loss)
+        return val_loss
+
+    def _evaluate_global(self, iteration: int) -> float:
+        """Validation on the global parameters (the outer ones under DiLoCoX)."""
+        if self.dilocox is None:
+            return self.evaluate(iteration)
+        with self.dilocox.global_params():
+            return self.evaluate(iteration)
+
+    def train(self) -> None:
+        args = self.args
+        tokens_per_step = args.global_batch_size * args.seq_length
+        window_loss = torch.zeros(2, dtype=torch.float64)
+        start = window_start = time.perf_counter()
+        for iteration in range(1, args.train_iters + 1):
+            loss, grad_norm = self.train_step(iteration - 1)
+            window_loss += loss
+            if self.dilocox is not None and self.dilocox.is_boundary(iteration):
+                self.logger.outer_round(self.dilocox.step(iteration))
+            if iteration % args.log_interval == 0:
+                now = time.perf_counter()
+                per_iter = (now - window_start) / args.log_interval
+                self.logger.train(
+                    iteration=iteration,
+                    lm_loss=self._mean_over_replicas(window_loss),
+                    lr=self.optimizer.param_groups[0]["lr"],
+                    grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                    tokens=iteration * tokens_per_step,
+                    tokens_per_sec=tokens_per_step / per_iter,
+                    elapsed_s=now - start,
+                    ms_per_iter=per_iter * 1000.0,
+                    consumed_samples=iteration * args.global_batch_size,
+                    global_batch_size=args.global_batch_size,
+                )
+                window_loss.zero_()
+                window_start = time.perf_counter()
+            if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
+                self._evaluate_global(iteration)
+        if self.dilocox is not None:
+            record = self.dilocox.finish()
+            if record is not None:
+                self.logger.outer_round(record)
+        if args.eval_iters:
+            self.final_val_loss = self.evaluate(args.train_iters)

@@ -1,0 +1,100 @@
+"""Console lines in Megatron-LM's format, a JSON-lines metrics file, TensorBoard, W&B.
+
+Only one rank writes (the last one, which holds the last pipeline stage and hence the loss).
+"""
+
+import json
+import math
+import os
+import time
+
+from megatron_dilocox.arguments import ConfigError
+
+
+def _timestamp():
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+class MetricsLogger:
+    """Writes what the training loop reports, on the writing rank only."""
+
+    def __init__(self, args, is_writer: bool):
+        self.is_writer = is_writer
+        self.train_iters = args.train_iters
+        self.metrics_file = None
+        self.tensorboard = None
+        self.wandb = None
+        if not is_writer:
+            return
+        if args.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics_file = open(args.metrics_file, "a", buffering=1)
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--tensorboard-dir needs tensorboard: pip install tensorboard") from None
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+        if args.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("--wandb-project needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                    dir=args.wandb_save_dir, config=vars(args))
+
+    def print(self, message: str) -> None:
+        if self.is_writer:
+            print(message, flush=True)
+
+    def _record(self, record: dict) -> None:
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+        step = record["iteration"]
+        scalars = {k: v for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))}
+        if self.tensorboard:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
+
+    def train(self, iteration, lm_loss, lr, grad_norm, tokens, tokens_per_sec, elapsed_s,
+              ms_per_iter, consumed_samples, global_batch_size):
+        if not self.is_writer:
+            return
+        self.print(
+            f" [{_timestamp()}] iteration {iteration:8d}/{self.train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+            f" throughput (tokens/s): {tokens_per_sec:.1f} |"
+            f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
+            f" lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} |")
+        self._record(dict(iteration=iteration, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm,
+                          tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s))
+
+    def evaluation(self, iteration, val_loss, label="validation"):
+        if not self.is_writer:
+            return
+        ppl = math.exp(min(20.0, val_loss))
+        line = f" {label} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl))
+
+    def outer_round(self, record: dict):
+        """One DiLoCoX round: ``outer_step``, ``iteration``, ``bytes_sent``, ``comm_s``, ..."""
+        if not self.is_writer:
+            return
+        self.print(
+            f" [{_timestamp()}] outer step {record['outer_step']:5d} at iteration {record['iteration']:8d} |"
+            f" cross-cluster bytes sent: {record['bytes_sent']:12d} | comm (s): {record['comm_s']:.3f} |"
+            f" wait (s): {record['wait_s']:.3f} | pseudo-grad norm: {record['pseudo_grad_norm']:.4E} |"
+            + (" SKIPPED (non-finite) |" if record["skipped"] else ""))
+        self._record(record)
+
+    def close(self):
+        if self.metrics_file:
+            self.metrics_file.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()

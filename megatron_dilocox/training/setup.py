@@ -1,0 +1,106 @@
+"""From parsed flags to a running job: process groups, data, model, optimizers, loop."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.platform import cpu
+
+cpu.install()  # before megatron-core is used: it must see CPU where it expects CUDA
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+
+from megatron_dilocox.arguments import ConfigError, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
+from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_dilocox.topology import build_topology, init_distributed  # noqa: E402
+from megatron_dilocox.training.data import build_datasets  # noqa: E402
+from megatron_dilocox.training.dilocox import DiLoCoX  # noqa: E402
+from megatron_dilocox.training.loop import Trainer  # noqa: E402
+from megatron_dilocox.training.metrics import MetricsLogger  # noqa: E402
+from megatron_dilocox.training.model import (  # noqa: E402
+    build_gpt_chunks,
+    initialize_parameters,
+    transformer_config,
+    wrap_ddp,
+)
+
+
+def build_optimizer(args, model, config):
+    """megatron-core AdamW (the inner optimizer) and its learning-rate schedule."""
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    ), model)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def setup(args, reducer=None):
+    """Builds everything a :class:`Trainer` needs. ``reducer`` is the outer-reduction test hook."""
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed(backend, args.distributed_timeout_minutes)
+    validate_world(args, dist.get_world_size())
+    topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                          args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox_outer_timeout_s)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    train_data, valid_data = build_datasets(args, tokenizer)
+    config = transformer_config(args)
+    chunks = build_gpt_chunks(args, config, padded_vocab_size(tokenizer.vocab_size, args))
+    initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
+    model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
+    optimizer, scheduler = build_optimizer(args, model, config)
+    dilocox = DiLoCoX(optimizer, model, topo, dilocox_config(args), reducer) if args.dilocox else None
+    logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
+    return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox)
+
+
+def describe(args, topo) -> str:
+    layout = (f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size}"
+              f"{' VPP=' + str(args.virtual_pipeline_model_parallel_size) if args.virtual_pipeline_model_parallel_size else ''}"
+              f" DP={topo.data_parallel_size}")
+    if args.dilocox:
+        return (f"DiLoCoX: {topo.clusters} clusters x {topo.cluster_size} ranks ({layout}, DP_in={topo.inner_dp_size}), "
+                f"H={args.dilocox_local_steps}, sync mode {args.dilocox_sync_mode}")
+    return f"vanilla AllReduce: {layout}"
+
+
+def run(args) -> None:
+    trainer = setup(args)
+    trainer.logger.print(f"> {describe(args, trainer.topo)}; {args.train_iters} iterations, "
+                         f"global batch {args.global_batch_size} x {args.seq_length} tokens")
+    trainer.train()
+    if args.metrics_file:
+        trainer.logger.print(f"> metrics written to {os.path.abspath(args.metrics_file)}")
+    trainer.logger.close()
+    dist.destroy_process_group()
