@@ -1,0 +1,1 @@
+"""Data pipeline: corpus building, tokenizers and indexed-dataset helpers."""
