@@ -1,0 +1,251 @@
+"""End-to-end tests of the data pipeline: corpus -> tokenizer -> indexed dataset -> GPTDataset."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E402
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
+from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
+
+from megatron_dilocox.data.corpus import MIN_DOC_CHARS, build_stdlib_corpus  # noqa: E402
+from megatron_dilocox.data.tokenizer import (  # noqa: E402
+    NullTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+)
+
+NUM_DOCS = 50
+VOCAB = 500
+
+
+def _load_tool(name):
+    """Imports ``tools/{name}.py`` as a top-level module, picklable for worker pools."""
+    tools_dir = os.path.join(REPO, "tools")
+    if tools_dir not in sys.path:
+        sys.path.insert(0, tools_dir)
+    return importlib.import_module(name)
+
+
+def _run_tool(name, *args):
+    """Runs ``tools/{name}.py`` as a script and returns the completed process (checked)."""
+    cmd = [sys.executable, "-W", "ignore", os.path.join(REPO, "tools", f"{name}.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Builds corpus, tokenizer and indexed dataset once through the real CLIs."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    corpus = str(tmp / "corpus.jsonl")
+    spm_prefix = str(tmp / "spm")
+    out_prefix = str(tmp / "out" / "corpus")
+    _run_tool("make_corpus", "--output", corpus, "--max-docs", str(NUM_DOCS))
+    _run_tool(
+        "train_tokenizer",
+        "--input",
+        corpus,
+        "--json-keys",
+        "text",
+        "--model-prefix",
+        spm_prefix,
+        "--vocab-size",
+        str(VOCAB),
+        "--num-threads",
+        "2",
+    )
+    proc = _run_tool(
+        "preprocess_data",
+        "--input",
+        corpus,
+        "--output-prefix",
+        out_prefix,
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        spm_prefix + ".model",
+        "--append-eod",
+        "--workers",
+        "2",
+        "--log-interval",
+        "10",
+    )
+    with open(corpus, encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f]
+    return {
+        "tmp": tmp,
+        "corpus": corpus,
+        "docs": docs,
+        "model": spm_prefix + ".model",
+        "prefix": out_prefix + "_text_document",
+        "log": proc.stdout + proc.stderr,
+    }
+
+
+def test_corpus_is_deterministic_and_atomic(tmp_path, pipeline):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert build_stdlib_corpus(str(a), max_docs=NUM_DOCS) == NUM_DOCS
+    assert build_stdlib_corpus(str(b), max_docs=NUM_DOCS) == NUM_DOCS
+    assert a.read_bytes() == b.read_bytes() == open(pipeline["corpus"], "rb").read()
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]  # no temporary left behind
+    assert all(len(doc) >= MIN_DOC_CHARS for doc in pipeline["docs"])
+    assert sum(map(len, pipeline["docs"])) > 100_000
+
+
+def test_tokenizer_properties(pipeline):
+    tok = SentencePieceTokenizer(pipeline["model"])
+    assert tok.vocab_size == VOCAB
+    assert (tok.pad, tok.unk, tok.bos, tok.eod) == (0, 1, 2, 3)
+    assert tok.eos == tok.eod
+    text = "Return the value of x, déjà vu ∑."
+    assert tok.detokenize(tok.tokenize(text)) == text  # byte fallback keeps rare chars
+    assert tok.unique_identifiers["class"] == "SentencePieceTokenizer"
+    assert build_tokenizer("SentencePieceTokenizer", pipeline["model"]).vocab_size == VOCAB
+
+
+def test_preprocess_roundtrip(pipeline):
+    tok = SentencePieceTokenizer(pipeline["model"])
+    dataset = IndexedDataset(pipeline["prefix"])
+    assert len(dataset) == len(pipeline["docs"]) == NUM_DOCS
+    assert dataset.index.dtype == np.uint16
+    for i, doc in enumerate(pipeline["docs"]):
+        assert dataset[i].tolist() == tok.tokenize(doc) + [tok.eod]
+    assert "docs/s" in pipeline["log"] and "wrote 50 documents" in pipeline["log"]
+    out_dir = os.path.dirname(pipeline["prefix"])
+    assert sorted(os.listdir(out_dir)) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+
+
+def test_gpt_dataset_reads_preprocessed_data(pipeline):
+    tok = SentencePieceTokenizer(pipeline["model"])
+    seq_len = 64
+    config = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=seq_len,
+        blend=([pipeline["prefix"]], None),
+        split="90,10,0",
+        tokenizer=tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mmap_bin_files=True,
+        path_to_cache=str(pipeline["tmp"] / "index_cache"),
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [100, 10, None], lambda: True, config
+    ).build()
+    assert test is None and len(train) >= 100 and len(valid) >= 10
+    # Every window must be cut from the documents: split it at eod and find each piece.
+    haystack = "|".join(" " + " ".join(map(str, tok.tokenize(d))) + " " for d in pipeline["docs"])
+    for dataset in (train, valid):
+        for idx in range(0, len(dataset), max(1, len(dataset) // 20)):
+            sample = dataset[idx]
+            tokens, labels = sample["tokens"], sample["labels"]
+            assert tokens.shape == labels.shape == (seq_len,)
+            assert tokens[1:].tolist() == labels[:-1].tolist()
+            window = tokens.tolist() + labels[-1:].tolist()
+            assert max(window) < tok.vocab_size
+            pieces = " ".join(map(str, window)).split(f" {tok.eod} ")
+            assert all(f" {piece.strip()} " in haystack for piece in pieces if piece.strip())
+    assert os.listdir(config.path_to_cache)  # sample indices were cached
+
+
+def test_null_tokenizer():
+    tok = build_tokenizer("NullTokenizer", None, vocab_size_for_null=100)
+    assert isinstance(tok, NullTokenizer)
+    assert (tok.vocab_size, tok.eod, tok.pad) == (101, 100, -1)
+    assert tok.tokenize("5 7  9") == [5, 7, 9]
+    assert tok.detokenize([5, 7]) == "5 7"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("SentencePieceTokenizer", "/nonexistent/spm.model"), "/nonexistent/spm.model"),
+        (("Bogus", None), "--tokenizer-type"),
+        (("NullTokenizer", None), "--vocab-size"),
+    ],
+)
+def test_build_tokenizer_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_tokenizer(*args)
+
+
+def test_invalid_sentencepiece_model(pipeline):
+    with pytest.raises(ValueError) as info:
+        SentencePieceTokenizer(pipeline["corpus"])
+    assert str(info.value) == f"not a valid sentencepiece model: {pipeline['corpus']}"
+
+
+def _exit_message(main, argv, capsys):
+    """Runs a tool's ``main(argv)`` expecting a user error; returns its one-line message."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    if isinstance(info.value.code, str):  # sys.exit("error: ...")
+        message = info.value.code
+    else:  # argparse's parser.error: usage, then the message as the last stderr line
+        assert info.value.code == 2
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_preprocess_errors(pipeline, tmp_path, capsys):
+    main = _load_tool("preprocess_data").main
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n', encoding="utf-8")
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"body": "fine"}\n', encoding="utf-8")
+    prefix = str(tmp_path / "out" / "x")
+    base = ["--output-prefix", prefix, "--tokenizer-model", pipeline["model"]]
+
+    missing = str(tmp_path / "missing.jsonl")
+    assert _exit_message(main, ["--input", missing] + base, capsys).endswith(
+        f": error: --input: file not found: {missing}"  # argparse prefixes the program name
+    )
+    for workers in ("1", "2"):
+        assert _exit_message(main, ["--input", str(bad), "--workers", workers] + base, capsys) == (
+            f"error: {bad}:2: invalid JSON: Expecting value"
+        )
+    assert _exit_message(main, ["--input", str(nokey)] + base, capsys) == (
+        f"error: {nokey}:1: no string value for JSON key 'text'"
+    )
+    bad_model = ["--input", str(nokey), "--output-prefix", prefix, "--tokenizer-model", str(bad)]
+    expected = f"error: not a valid sentencepiece model: {bad}"
+    assert _exit_message(main, bad_model, capsys) == expected
+    # Failed runs leave nothing under the final names, nor temporaries.
+    assert not os.path.exists(tmp_path / "out") or os.listdir(tmp_path / "out") == []
+
+
+def test_train_tokenizer_errors(tmp_path, capsys):
+    main = _load_tool("train_tokenizer").main
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n', encoding="utf-8")
+    prefix = ["--model-prefix", str(tmp_path / "spm")]
+    missing = str(tmp_path / "missing.txt")
+    assert _exit_message(main, ["--input", missing] + prefix, capsys).endswith(
+        f": error: --input: file not found: {missing}"
+    )
+    assert _exit_message(main, ["--input", str(bad), "--json-keys", "text"] + prefix, capsys) == (
+        f"error: {bad}:2: invalid JSON: Expecting value"
+    )
+    assert not os.path.exists(tmp_path / "spm.model")
+
+
+def test_train_tokenizer_is_reproducible(pipeline, tmp_path):
+    main = _load_tool("train_tokenizer").main
+    for name in ("a", "b"):
+        argv = ["--input", pipeline["corpus"], "--json-keys", "text", "--vocab-size", "400"]
+        main(argv + ["--model-prefix", str(tmp_path / name), "--input-sentence-size", "500"])
+    assert (tmp_path / "a.vocab").read_bytes() == (tmp_path / "b.vocab").read_bytes()
