@@ -77,10 +77,10 @@ class DiLoCoX:
         return any(getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer
                    for opt in _leaf_optimizers(self.optimizer))
 
-    def _record(self, stats) -> dict:
+    def _record(self, stats, drain=False) -> dict:
         return dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
                     comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
-                    skipped=stats.skipped)
+                    skipped=stats.skipped, drain=drain)
 
     def step(self, iteration: int) -> dict:
         """The round boundary after ``iteration``; returns the round's metrics record."""
@@ -93,7 +93,7 @@ class DiLoCoX:
         stats = self.sync.finish()
         self._push_to_model()
         self.sync.close()
-        return None if stats is None else self._record(stats)
+        return None if stats is None else self._record(stats, drain=True)
 
     @contextlib.contextmanager
     def global_params(self):

@@ -35,7 +35,8 @@ def forward_step(data_iterator, model):
 class Trainer:
     """Runs ``--train-iters`` steps, evaluating and logging as the flags say."""
 
-    def __init__(self, args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox=None):
+    def __init__(self, args, topo, model, optimizer, scheduler, train_data, valid_data, logger,
+                 dilocox=None, audit=None):
         self.args = args
         self.topo = topo
         self.model = model
@@ -43,6 +44,7 @@ class Trainer:
         self.scheduler = scheduler
         self.logger = logger
         self.dilocox = dilocox
+        self.audit = audit
         self.train_batches = MicroBatches(train_data, args.global_batch_size, args.micro_batch_size,
                                           topo.data_parallel_size, topo.data_parallel_rank)
         # Each cluster evaluates the whole validation batch on its own replicas.
@@ -76,6 +78,18 @@ class Trainer:
         dist.all_reduce(total, group=self.topo.pg_collection.dp)
         return float(total[0] / total[1])
 
+    def _phase(self, name: str) -> None:
+        if self.audit is not None:
+            self.audit.phase = name
+
+    def _outer_round(self, record: dict) -> None:
+        """Logs a round, with the cross-cluster bytes the training thread sent outside
+        boundaries (must be 0: every per-step collective stays in the cluster)."""
+        if self.audit is not None:
+            record["cross_cluster_bytes_between_boundaries"] = (
+                self.audit.cross_cluster_bytes("step") + self.audit.cross_cluster_bytes("eval"))
+        self.logger.outer_round(record)
+
     def train_step(self, step: int):
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -87,6 +101,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, iteration: int) -> float:
+        self._phase("eval")
         for chunk in self.model:
             chunk.eval()
         total = torch.zeros(2, dtype=torch.float64)
@@ -112,10 +127,12 @@ class Trainer:
         window_loss = torch.zeros(2, dtype=torch.float64)
         start = window_start = time.perf_counter()
         for iteration in range(1, args.train_iters + 1):
+            self._phase("step")
             loss, grad_norm = self.train_step(iteration - 1)
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
-                self.logger.outer_round(self.dilocox.step(iteration))
+                self._phase("boundary")
+                self._outer_round(self.dilocox.step(iteration))
             if iteration % args.log_interval == 0:
                 now = time.perf_counter()
                 per_iter = (now - window_start) / args.log_interval
@@ -136,8 +153,9 @@ class Trainer:
             if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
                 self._evaluate_global(iteration)
         if self.dilocox is not None:
+            self._phase("boundary")
             record = self.dilocox.finish()
             if record is not None:
-                self.logger.outer_round(record)
+                self._outer_round(record)
         if args.eval_iters:
             self.final_val_loss = self.evaluate(args.train_iters)

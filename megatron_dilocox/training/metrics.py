@@ -85,9 +85,12 @@ class MetricsLogger:
         if not self.is_writer:
             return
         self.print(
-            f" [{_timestamp()}] outer step {record['outer_step']:5d} at iteration {record['iteration']:8d} |"
+            f" [{_timestamp()}] {'outer drain' if record['drain'] else 'outer step '} {record['outer_step']:5d}"
+            f" at iteration {record['iteration']:8d} |"
             f" cross-cluster bytes sent: {record['bytes_sent']:12d} | comm (s): {record['comm_s']:.3f} |"
             f" wait (s): {record['wait_s']:.3f} | pseudo-grad norm: {record['pseudo_grad_norm']:.4E} |"
+            + (f" cross-cluster bytes between boundaries: {record['cross_cluster_bytes_between_boundaries']} |"
+               if "cross_cluster_bytes_between_boundaries" in record else "")
             + (" SKIPPED (non-finite) |" if record["skipped"] else ""))
         self._record(record)
 

@@ -13,6 +13,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
+from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
 from megatron_dilocox.arguments import ConfigError, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
 from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron_dilocox.topology import build_topology, init_distributed  # noqa: E402
@@ -28,7 +29,7 @@ from megatron_dilocox.training.model import (  # noqa: E402
 )
 
 
-def build_optimizer(args, model, config):
+def build_optimizer(args, model, config, topo):
     """megatron-core AdamW (the inner optimizer) and its learning-rate schedule."""
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam",
@@ -42,7 +43,7 @@ def build_optimizer(args, model, config):
         bf16=args.bf16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
-    ), model)
+    ), model, use_gloo_process_groups=False, pg_collection=topo.pg_collection)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if args.lr_warmup_iters else args.lr,
@@ -68,6 +69,7 @@ def setup(args, reducer=None):
     validate_world(args, dist.get_world_size())
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox_outer_timeout_s)
+    audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     try:
@@ -79,10 +81,10 @@ def setup(args, reducer=None):
     chunks = build_gpt_chunks(args, config, padded_vocab_size(tokenizer.vocab_size, args))
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
-    optimizer, scheduler = build_optimizer(args, model, config)
+    optimizer, scheduler = build_optimizer(args, model, config, topo)
     dilocox = DiLoCoX(optimizer, model, topo, dilocox_config(args), reducer) if args.dilocox else None
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
-    return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox)
+    return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
 
 
 def describe(args, topo) -> str:

@@ -1,0 +1,116 @@
+"""Counts the bytes this rank sends across clusters, by phase of training.
+
+Wraps the ``torch.distributed`` collectives and point-to-point calls (megatron-core calls
+them through the module, so every call is seen) and, for each call, asks whether its group
+or peer leaves this rank's cluster. Calls from the DiLoCoX worker thread are counted under
+``"outer"``; calls from the training thread under the phase the training loop has set
+(``"startup"``, ``"step"``, ``"boundary"``, ``"eval"``). The point: outside ``"boundary"``
+and ``"outer"``, cross-cluster bytes must stay exactly zero.
+"""
+
+import threading
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# collective -> keyword of its (first positional) tensor argument
+_TENSOR_CALLS = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter_tensor": "input",
+    "reduce": "tensor",
+}
+_P2P_CALLS = ("send", "recv", "isend", "irecv")
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj)
+    return 0
+
+
+class CommAudit:
+    """Byte tallies keyed by (phase, "cross" | "intra")."""
+
+    def __init__(self, cluster_size: int):
+        self.cluster_size = cluster_size
+        self.cluster = dist.get_rank() // cluster_size
+        self.phase = "startup"
+        self.bytes = defaultdict(int)
+        self._lock = threading.Lock()
+        self._crosses = {}
+        self._originals = {}
+
+    def cross_cluster_bytes(self, phase: str) -> int:
+        return self.bytes[(phase, "cross")]
+
+    def _group_crosses(self, group) -> bool:
+        key = id(group)
+        if key not in self._crosses:
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self._crosses[key] = any(r // self.cluster_size != self.cluster for r in ranks)
+        return self._crosses[key]
+
+    def _count(self, nbytes: int, crosses: bool) -> None:
+        phase = self.phase if threading.current_thread() is threading.main_thread() else "outer"
+        with self._lock:
+            self.bytes[(phase, "cross" if crosses else "intra")] += nbytes
+
+    def _wrap_tensor_call(self, fn, tensor_kw):
+        def call(*args, **kwargs):
+            tensor = kwargs.get(tensor_kw, args[0] if args else None)
+            self._count(_nbytes(tensor), self._group_crosses(kwargs.get("group")))
+            return fn(*args, **kwargs)
+        return call
+
+    def _peer_crosses(self, peer, group, group_peer) -> bool:
+        if peer is None:
+            peer = dist.get_global_rank(group, group_peer)
+        return peer // self.cluster_size != self.cluster
+
+    def _wrap_p2p(self, fn):
+        # send/recv/isend/irecv(tensor, dst|src, group, tag, group_dst|group_src)
+        def call(tensor, *args, **kwargs):
+            positional = dict(zip(("peer", "group"), args))
+            peer = kwargs.get("dst", kwargs.get("src", positional.get("peer")))
+            group = kwargs.get("group", positional.get("group"))
+            group_peer = kwargs.get("group_dst", kwargs.get("group_src"))
+            self._count(_nbytes(tensor), self._peer_crosses(peer, group, group_peer))
+            return fn(tensor, *args, **kwargs)
+        return call
+
+    def _wrap_batch(self, fn):
+        def call(p2p_op_list):
+            for op in p2p_op_list:
+                crosses = self._peer_crosses(op.peer, op.group, getattr(op, "group_peer", None))
+                self._count(_nbytes(op.tensor), crosses)
+            return fn(p2p_op_list)
+        return call
+
+    def _wrap_list_call(self, fn):
+        # all_gather(tensor_list, tensor, group) / all_gather_object(list, obj, group) / ...
+        def call(*args, **kwargs):
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            self._count(_nbytes(args[1] if len(args) > 1 else None), self._group_crosses(group))
+            return fn(*args, **kwargs)
+        return call
+
+    def install(self) -> "CommAudit":
+        wrappers = {name: self._wrap_tensor_call(getattr(dist, name), kw) for name, kw in _TENSOR_CALLS.items()}
+        wrappers.update({name: self._wrap_p2p(getattr(dist, name)) for name in _P2P_CALLS})
+        wrappers["batch_isend_irecv"] = self._wrap_batch(dist.batch_isend_irecv)
+        for name in ("all_gather", "reduce_scatter"):
+            wrappers[name] = self._wrap_list_call(getattr(dist, name))
+        for name, wrapper in wrappers.items():
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, wrapper)
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
