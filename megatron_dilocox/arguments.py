@@ -140,6 +140,9 @@ def _dilocox_args(parser):
                    help="Plain momentum instead of Nesterov in the outer SGD.")
     g.add_argument("--dilocox-outer-timeout-s", type=float, default=defaults.outer_timeout_s,
                    help="Seconds a round waits for the cross-cluster reduction before failing.")
+    g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
+                   help="Add this many seconds to every cross-cluster reduction: see the overlap "
+                        "hide a slow link without one (benchmarks and tests).")
 
 
 def dilocox_config(args) -> DiLoCoXConfig:
@@ -275,6 +278,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_parallel(args)
     _check_training(args)
     _check_data(args)
+    _require(args.dilocox_emulated_delay_s >= 0,
+             f"--dilocox-emulated-delay-s must be >= 0, got {args.dilocox_emulated_delay_s}")
     if args.dilocox:
         try:
             dilocox_config(args).validate()

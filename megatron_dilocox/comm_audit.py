@@ -83,14 +83,6 @@ class CommAudit:
             return fn(tensor, *args, **kwargs)
         return call
 
-    def _wrap_batch(self, fn):
-        def call(p2p_op_list):
-            for op in p2p_op_list:
-                crosses = self._peer_crosses(op.peer, op.group, getattr(op, "group_peer", None))
-                self._count(_nbytes(op.tensor), crosses)
-            return fn(p2p_op_list)
-        return call
-
     def _wrap_list_call(self, fn):
         # all_gather(tensor_list, tensor, group) / all_gather_object(list, obj, group) / ...
         def call(*args, **kwargs):
@@ -102,15 +94,20 @@ class CommAudit:
     def install(self) -> "CommAudit":
         wrappers = {name: self._wrap_tensor_call(getattr(dist, name), kw) for name, kw in _TENSOR_CALLS.items()}
         wrappers.update({name: self._wrap_p2p(getattr(dist, name)) for name in _P2P_CALLS})
-        wrappers["batch_isend_irecv"] = self._wrap_batch(dist.batch_isend_irecv)
         for name in ("all_gather", "reduce_scatter"):
             wrappers[name] = self._wrap_list_call(getattr(dist, name))
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(dist, name)
             setattr(dist, name, wrapper)
+        # batch_isend_irecv calls isend/irecv through c10d's globals (and checks P2POp.op
+        # against them), so the point-to-point wrappers replace those too.
+        for name in _P2P_CALLS:
+            setattr(dist.distributed_c10d, name, wrappers[name])
         return self
 
     def uninstall(self) -> None:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
+            if name in _P2P_CALLS:
+                setattr(dist.distributed_c10d, name, fn)
         self._originals.clear()

@@ -7,12 +7,13 @@ refreshed from them exactly as megatron does after an optimizer step.
 
 import contextlib
 import hashlib
+import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.outer.sync import ByteCounter, OuterSync
+from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
 from megatron_dilocox.topology import Topology
 
 
@@ -25,10 +26,18 @@ def main_params(optimizer) -> list[torch.Tensor]:
     return [p for opt in _leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
 
 
+def delayed_reducer(counter: ByteCounter, delay_s: float):
+    """The default reduction, made ``delay_s`` seconds slower (emulates a slow link)."""
+    def reduce(tensors, group):
+        time.sleep(delay_s)
+        return allreduce_mean(tensors, group, counter)
+    return reduce
+
+
 class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
-    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig, reducer=None):
+    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig, emulated_delay_s: float = 0.0):
         self.optimizer = optimizer
         self.model = model
         self.topo = topo
@@ -36,6 +45,7 @@ class DiLoCoX:
         self.params = main_params(optimizer)
         self._check_identical_start()
         self.counter = ByteCounter()
+        reducer = delayed_reducer(self.counter, emulated_delay_s) if emulated_delay_s > 0 else None
         self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reducer, counter=self.counter)
 
     def _check_identical_start(self):

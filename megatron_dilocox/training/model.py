@@ -116,13 +116,17 @@ def _full_shape(param, tp_size):
     return shape
 
 
+def gated_fc1(config, name) -> bool:
+    """SwiGLU's fc1: each TP rank holds [gate shard; up shard], not a block of [gate; up]."""
+    return config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight")
+
+
 def _tp_shard(full, param, name, config, tp_rank, tp_size):
     """The slice of a full (TP1) tensor that this TP rank holds."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if config.gated_linear_unit and name.endswith("mlp.linear_fc1.weight"):
-        # Each rank holds [gate shard; up shard], not a contiguous block of [gate; up].
+    if gated_fc1(config, name):
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)
     return full.chunk(tp_size, dim)[tp_rank]
@@ -166,3 +170,27 @@ def wrap_ddp(chunks, config: TransformerConfig, topo: Topology, use_distributed_
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     return model
 
+
+
+@torch.no_grad()
+def gather_full_params(chunks, tied: bool) -> dict[str, torch.Tensor]:
+    """This pipeline stage's parameters as full (TP1) tensors keyed by global name; the
+    inverse of the sharding in :func:`initialize_parameters`. Collective over the TP group."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    full = {}
+    for chunk in chunks:
+        chunk = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        for param, name in _global_names(chunk, tied).items():
+            tensor = param.detach().float()
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+                torch.distributed.all_gather(shards, tensor.contiguous(), group=tp_group)
+                dim = param.partition_dim
+                if gated_fc1(chunk.config, name):
+                    pairs = [s.chunk(2, dim) for s in shards]
+                    tensor = torch.cat([torch.cat([g for g, _ in pairs], dim), torch.cat([u for _, u in pairs], dim)], dim)
+                else:
+                    tensor = torch.cat(shards, dim)
+            full[name] = tensor.clone()
+    return full

@@ -60,8 +60,8 @@ def build_optimizer(args, model, config, topo):
     return optimizer, scheduler
 
 
-def setup(args, reducer=None):
-    """Builds everything a :class:`Trainer` needs. ``reducer`` is the outer-reduction test hook."""
+def setup(args):
+    """Builds everything a :class:`Trainer` needs."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -82,7 +82,8 @@ def setup(args, reducer=None):
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    dilocox = DiLoCoX(optimizer, model, topo, dilocox_config(args), reducer) if args.dilocox else None
+    dilocox = (DiLoCoX(optimizer, model, topo, dilocox_config(args), args.dilocox_emulated_delay_s)
+               if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
     return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
 

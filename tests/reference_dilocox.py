@@ -1,0 +1,81 @@
+"""Single-process reference of DiLoCoX on real megatron models: C model copies (TP1/PP1),
+each trained on its cluster's data shard, combined by the plain outer-loop reference.
+
+    torchrun --nproc-per-node 1 tests/reference_dilocox.py OUT_DIR SPEC_JSON
+
+SPEC_JSON: list of {"name", "flags"} as for tests/scenarios.py, with --dilocox flags; writes
+OUT_DIR/NAME.reference.pt with the final global parameters keyed by global name (and
+OUT_DIR/NAME.init.pt with the initial ones).
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.arguments import dilocox_config, padded_vocab_size, parse_args, validate_world
+from megatron_dilocox.data.tokenizer import build_tokenizer
+from megatron_dilocox.outer.reference import ReferenceDiLoCo
+from megatron_dilocox.topology import build_topology, init_distributed
+from megatron_dilocox.training.data import MicroBatches, build_datasets
+from megatron_dilocox.training.dilocox import main_params
+from megatron_dilocox.training.loop import Trainer
+from megatron_dilocox.training.metrics import MetricsLogger
+from megatron_dilocox.training.model import (
+    build_gpt_chunks, gather_full_params, initialize_parameters, transformer_config, wrap_ddp)
+from megatron_dilocox.training.setup import build_optimizer
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+
+def replica(args, topo, tokenizer, train, valid, shard, clusters):
+    config = transformer_config(args)
+    chunks = build_gpt_chunks(args, config, padded_vocab_size(tokenizer.vocab_size, args))
+    initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
+    model = wrap_ddp(chunks, config, topo, use_distributed_optimizer=False)
+    optimizer, scheduler = build_optimizer(args, model, config, topo)
+    trainer = Trainer(args, topo, model, optimizer, scheduler, train, valid, MetricsLogger(args, False))
+    trainer.train_batches = MicroBatches(train, args.global_batch_size, args.micro_batch_size, clusters, shard)
+    return trainer
+
+
+def run(spec, out):
+    args = parse_args(spec["flags"])
+    clusters, cfg = args.dilocox_clusters, dilocox_config(args)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        setattr(args, name, 1)
+    args.virtual_pipeline_model_parallel_size = None
+    args.dilocox = False
+    validate_world(args, 1)
+    topo = build_topology(1, 1, None, 1)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    train, valid = build_datasets(args, tokenizer)
+    replicas = [replica(args, topo, tokenizer, train, valid, k, clusters) for k in range(clusters)]
+    tied = not args.untie_embeddings_and_output_weights
+    torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.init.pt")
+    params = [main_params(r.optimizer) for r in replicas]
+    ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+    for iteration in range(1, args.train_iters + 1):
+        for r in replicas:
+            r.train_step(iteration - 1)
+        if iteration % cfg.local_steps == 0:
+            ref.step(params)
+    ref.finish(params)
+    torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.reference.pt")
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    out, spec_path = sys.argv[1], sys.argv[2]
+    init_distributed("gloo", 10)
+    with open(spec_path) as f:
+        for spec in json.load(f):
+            run(spec, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Runs several training scenarios in one torchrun launch (start-up dominates CPU tests).
+
+    torchrun --nproc-per-node N tests/scenarios.py OUT_DIR SPEC_JSON
+
+SPEC_JSON is a list of {"name": str, "flags": [pretrain_gpt.py flags]}. Per scenario it writes
+OUT_DIR/NAME.metrics.jsonl (the run's metrics file), OUT_DIR/NAME.params.RANK.pt (full
+parameters of the rank's pipeline stage, from TP rank 0 of each cluster's first replica) and
+OUT_DIR/NAME.info.RANK.json. Under DiLoCoX it checks after every round that the global
+parameters are bit-identical across clusters.
+"""
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.arguments import parse_args
+from megatron_dilocox.training.setup import setup
+from megatron_dilocox.training.model import gather_full_params
+from megatron.core import parallel_state
+
+
+def _checked_rounds(trainer, info):
+    """Wraps the round boundary with a cross-cluster hash check of the global parameters."""
+    boundary = trainer.dilocox.step
+
+    def step(iteration):
+        record = boundary(iteration)
+        digest = hashlib.sha256(trainer.dilocox.sync.base.numpy().tobytes()).hexdigest()
+        everyone = [None] * trainer.topo.clusters
+        dist.all_gather_object(everyone, digest, group=trainer.topo.outer_group)
+        assert len(set(everyone)) == 1, f"global params differ across clusters after iteration {iteration}"
+        info["hash_checks"] += 1
+        return record
+
+    trainer.dilocox.step = step
+
+
+def run(spec, out):
+    name = spec["name"]
+    args = parse_args(spec["flags"] + ["--metrics-file", f"{out}/{name}.metrics.jsonl"])
+    trainer = setup(args)
+    rank = dist.get_rank()
+    info = {"hash_checks": 0}
+    if trainer.dilocox is not None:
+        info["outer_numel"] = sum(p.numel() for p in trainer.dilocox.params)
+        _checked_rounds(trainer, info)
+    trainer.train()
+    info["final_val_loss"] = trainer.final_val_loss
+    full = gather_full_params(trainer.model, tied=not args.untie_embeddings_and_output_weights)
+    if parallel_state.get_tensor_model_parallel_rank() == 0 and trainer.topo.inner_dp_rank == 0:
+        torch.save(full, f"{out}/{name}.params.{rank}.pt")
+    with open(f"{out}/{name}.info.{rank}.json", "w") as f:
+        json.dump(info, f)
+    if trainer.audit is not None:
+        trainer.audit.uninstall()
+    trainer.logger.close()
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def main():
+    out, spec_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        specs = json.load(f)
+    for spec in specs:
+        run(spec, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
