@@ -126,8 +126,10 @@ def _dilocox_args(parser):
                    "instead of reducing gradients across clusters every step.")
     defaults = DiLoCoXConfig()
     g.add_argument("--dilocox", action="store_true", help="Enable the DiLoCoX outer loop.")
-    g.add_argument("--dilocox-clusters", type=int, default=defaults.clusters,
-                   help="C: clusters; the world splits into C contiguous blocks of TP x PP x DP_in ranks.")
+    g.add_argument("--dilocox-clusters", type=int, default=None,
+                   help=f"C: clusters; the world splits into C contiguous blocks of TP x PP x DP_in ranks "
+                        f"(default {defaults.clusters} with --dilocox). Without --dilocox they only say "
+                        f"which traffic is counted as cross-cluster, for comparisons.")
     g.add_argument("--dilocox-local-steps", type=int, default=defaults.local_steps,
                    help="H: inner steps per outer round.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
@@ -148,7 +150,7 @@ def _dilocox_args(parser):
 def dilocox_config(args) -> DiLoCoXConfig:
     """The DiLoCoX settings of a parsed command line."""
     return DiLoCoXConfig(
-        clusters=args.dilocox_clusters,
+        clusters=args.clusters,
         local_steps=args.dilocox_local_steps,
         sync_mode=args.dilocox_sync_mode,
         outer_lr=args.dilocox_outer_lr,
@@ -278,6 +280,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_parallel(args)
     _check_training(args)
     _check_data(args)
+    if args.dilocox_clusters is not None:
+        args.clusters = args.dilocox_clusters
+    else:
+        args.clusters = DiLoCoXConfig.clusters if args.dilocox else 1
+    _require(args.clusters >= 1, f"--dilocox-clusters must be >= 1, got {args.clusters}")
     _require(args.dilocox_emulated_delay_s >= 0,
              f"--dilocox-emulated-delay-s must be >= 0, got {args.dilocox_emulated_delay_s}")
     if args.dilocox:
@@ -295,11 +302,10 @@ def validate_world(args, world_size: int) -> None:
              f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
              f"--pipeline-model-parallel-size = {model_parallel}")
     args.data_parallel_size = world_size // model_parallel
-    clusters = args.dilocox_clusters if args.dilocox else 1
+    clusters = args.clusters
     _require(args.data_parallel_size % clusters == 0,
              f"world size {world_size} does not split into --dilocox-clusters {clusters} clusters of "
              f"TP x PP x DP_in ranks (data-parallel size {args.data_parallel_size})")
-    args.clusters = clusters
     step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = step
@@ -307,8 +313,6 @@ def validate_world(args, world_size: int) -> None:
              f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size x "
              f"data-parallel size = {step}")
     args.num_microbatches = args.global_batch_size // step
-    # Evaluation runs the whole global batch inside each cluster.
-    args.eval_num_microbatches = args.num_microbatches * clusters
     _require(args.virtual_pipeline_model_parallel_size is None
              or args.num_microbatches % args.pipeline_model_parallel_size == 0,
              f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) to be "

@@ -45,8 +45,11 @@ class CommAudit:
         self._crosses = {}
         self._originals = {}
 
-    def cross_cluster_bytes(self, phase: str) -> int:
-        return self.bytes[(phase, "cross")]
+    def cross_cluster_bytes(self, *phases: str) -> int:
+        """Cross-cluster bytes sent in the given phases (all phases but start-up if none)."""
+        if not phases:
+            phases = {phase for phase, _ in self.bytes} - {"startup"}
+        return sum(self.bytes[(phase, "cross")] for phase in phases)
 
     def _group_crosses(self, group) -> bool:
         key = id(group)

@@ -23,15 +23,19 @@ class Topology:
     """Where this rank sits and the groups it talks on."""
 
     clusters: int
-    """C: number of clusters (1 = vanilla data parallelism across the whole world)."""
+    """C: number of clusters. Without DiLoCoX they only partition the world for byte accounting."""
     cluster_size: int
     """M: ranks per cluster (TP x PP x DP_in)."""
     cluster_rank: int
     """k: the cluster this rank belongs to."""
+    data_parallel_size: int
+    """Data-parallel replicas over all clusters; the global batch is split over them."""
+    data_parallel_rank: int
+    """Index of this rank's replica over all clusters (cluster-major)."""
     inner_dp_size: int
-    """DP_in: data-parallel replicas inside one cluster (all of DP when C = 1)."""
+    """Replicas that reduce gradients together every step: DP_in under DiLoCoX, else all of DP."""
     inner_dp_rank: int
-    """This rank's data-parallel index inside its cluster."""
+    """This rank's index among them."""
     pg_collection: ProcessGroupCollection
     """megatron-core groups for DDP, optimizer and grad finalisation (cluster-local)."""
     cluster_group: dist.ProcessGroup
@@ -41,16 +45,6 @@ class Topology:
     outer_reduce_group: dist.ProcessGroup | None
     """A second group over the same ranks, used only by the background outer reduction, so
     that it never interleaves with the foreground outer collectives."""
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Data-parallel replicas over all clusters."""
-        return self.clusters * self.inner_dp_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Index of this rank's replica over all clusters (cluster-major)."""
-        return self.cluster_rank * self.inner_dp_size + self.inner_dp_rank
 
 
 def init_distributed(backend: str, timeout_minutes: int) -> None:
@@ -71,11 +65,12 @@ def _new_groups(rank_lists, timeout=None):
     return mine
 
 
-def build_topology(tp: int, pp: int, vpp: int | None, clusters: int,
+def build_topology(tp: int, pp: int, vpp: int | None, clusters: int = 1, dilocox: bool = False,
                    outer_timeout_s: float = 3600.0) -> Topology:
-    """Initialises megatron-core's parallel state and the cluster/outer groups.
+    """Initialises megatron-core's parallel state and, for DiLoCoX, the cluster/outer groups.
 
     Must be called by every rank with the same arguments, after :func:`init_distributed`.
+    Without ``dilocox`` the clusters only say which traffic counts as cross-cluster.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world % (tp * pp * clusters) == 0, "checked by arguments.validate_world"
@@ -88,10 +83,12 @@ def build_topology(tp: int, pp: int, vpp: int | None, clusters: int,
     cluster_size = world // clusters
     cluster_rank, local_rank = divmod(rank, cluster_size)
     model_parallel = tp * pp
+    dp_rank = rank // model_parallel
     inner_dp = cluster_size // model_parallel
     pgc = ProcessGroupCollection.use_mpu_process_groups()
-    if clusters == 1:
+    if not (dilocox and clusters > 1):
         cluster_group, outer_group, outer_reduce_group = dist.group.WORLD, None, None
+        inner_dp = world // model_parallel
     else:
         blocks = [list(range(k * cluster_size, (k + 1) * cluster_size)) for k in range(clusters)]
         cluster_group = _new_groups(blocks)
@@ -112,20 +109,15 @@ def build_topology(tp: int, pp: int, vpp: int | None, clusters: int,
         clusters=clusters,
         cluster_size=cluster_size,
         cluster_rank=cluster_rank,
+        data_parallel_size=world // model_parallel,
+        data_parallel_rank=dp_rank,
         inner_dp_size=inner_dp,
-        inner_dp_rank=local_rank // model_parallel,
+        inner_dp_rank=dp_rank % inner_dp,
         pg_collection=pgc,
         cluster_group=cluster_group,
         outer_group=outer_group,
         outer_reduce_group=outer_reduce_group,
     )
-
-
-def broadcast_object_in_cluster(obj, topo: Topology):
-    """Sends a small Python object from the cluster's first rank to the cluster."""
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=topo.cluster_rank * topo.cluster_size, group=topo.cluster_group)
-    return holder[0]
 
 
 def device() -> torch.device:

@@ -42,11 +42,11 @@ def replica(args, topo, tokenizer, train, valid, shard, clusters):
 
 def run(spec, out):
     args = parse_args(spec["flags"])
-    clusters, cfg = args.dilocox_clusters, dilocox_config(args)
+    clusters, cfg = args.clusters, dilocox_config(args)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         setattr(args, name, 1)
     args.virtual_pipeline_model_parallel_size = None
-    args.dilocox = False
+    args.dilocox, args.clusters = False, 1
     validate_world(args, 1)
     topo = build_topology(1, 1, None, 1)
     torch.manual_seed(args.seed)

@@ -86,8 +86,7 @@ class Trainer:
         """Logs a round, with the cross-cluster bytes the training thread sent outside
         boundaries (must be 0: every per-step collective stays in the cluster)."""
         if self.audit is not None:
-            record["cross_cluster_bytes_between_boundaries"] = (
-                self.audit.cross_cluster_bytes("step") + self.audit.cross_cluster_bytes("eval"))
+            record["cross_cluster_bytes_between_boundaries"] = self.audit.cross_cluster_bytes("step", "eval")
         self.logger.outer_round(record)
 
     def train_step(self, step: int):
@@ -147,6 +146,7 @@ class Trainer:
                     ms_per_iter=per_iter * 1000.0,
                     consumed_samples=iteration * args.global_batch_size,
                     global_batch_size=args.global_batch_size,
+                    cross_cluster_bytes=self.audit.cross_cluster_bytes() if self.audit else None,
                 )
                 window_loss.zero_()
                 window_start = time.perf_counter()

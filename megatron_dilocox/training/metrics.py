@@ -59,7 +59,7 @@ class MetricsLogger:
             self.wandb.log(scalars, step=step)
 
     def train(self, iteration, lm_loss, lr, grad_norm, tokens, tokens_per_sec, elapsed_s,
-              ms_per_iter, consumed_samples, global_batch_size):
+              ms_per_iter, consumed_samples, global_batch_size, cross_cluster_bytes=None):
         if not self.is_writer:
             return
         self.print(
@@ -68,9 +68,13 @@ class MetricsLogger:
             f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
             f" throughput (tokens/s): {tokens_per_sec:.1f} |"
             f" learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} |"
-            f" lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} |")
-        self._record(dict(iteration=iteration, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm,
-                          tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s))
+            f" lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} |"
+            + (f" cross-cluster bytes: {cross_cluster_bytes} |" if cross_cluster_bytes is not None else ""))
+        record = dict(iteration=iteration, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm,
+                      tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s)
+        if cross_cluster_bytes is not None:
+            record["cross_cluster_bytes"] = cross_cluster_bytes
+        self._record(record)
 
     def evaluation(self, iteration, val_loss, label="validation"):
         if not self.is_writer:

@@ -68,7 +68,8 @@ def setup(args):
     init_distributed(backend, args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox_outer_timeout_s)
+                          args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox,
+                          args.dilocox_outer_timeout_s)
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
