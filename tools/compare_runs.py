@@ -1,0 +1,60 @@
+"""Prints training runs side by side from their ``--metrics-file`` outputs.
+
+    python tools/compare_runs.py DiLoCoX=runs/dilocox.jsonl AllReduce=runs/allreduce.jsonl
+
+The last run named is the baseline that the ratio columns refer to.
+"""
+
+import argparse
+import json
+import sys
+
+
+def summarize(path: str) -> dict:
+    """Final validation loss, tokens, time and cross-cluster bytes of one metrics file."""
+    try:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"compare_runs.py: error: {path}: {err}") from None
+    train = [r for r in records if "lm_loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    if not train or not evals:
+        raise SystemExit(f"compare_runs.py: error: {path}: no training or validation records")
+    last = train[-1]
+    return dict(val_loss=evals[-1]["val_loss"], tokens=last["tokens"], elapsed_s=last["elapsed_s"],
+                tokens_per_sec=last["tokens"] / last["elapsed_s"],
+                cross_cluster_bytes=last.get("cross_cluster_bytes"),
+                rounds=sum(1 for r in records if "outer_step" in r and not r.get("drain")))
+
+
+def _mb(nbytes):
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:,.1f}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="NAME=METRICS_FILE")
+    args = parser.parse_args(argv)
+    rows = []
+    for item in args.runs:
+        name, sep, path = item.partition("=")
+        if not sep:
+            parser.error(f"expected NAME=METRICS_FILE, got {item!r}")
+        rows.append((name, summarize(path)))
+    base = rows[-1][1]
+    header = (f"{'run':<14} {'val loss':>9} {'vs base':>8} {'tokens':>10} {'wall s':>8} {'tokens/s':>9} "
+              f"{'x-cluster MiB/rank':>19} {'bytes vs base':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, s in rows:
+        gap = (s["val_loss"] / base["val_loss"] - 1) * 100
+        ratio = ("n/a" if not s["cross_cluster_bytes"] or not base["cross_cluster_bytes"]
+                 else f"1/{base['cross_cluster_bytes'] / s['cross_cluster_bytes']:.1f}")
+        print(f"{name:<14} {s['val_loss']:>9.4f} {gap:>+7.1f}% {s['tokens']:>10,} {s['elapsed_s']:>8.1f} "
+              f"{s['tokens_per_sec']:>9.0f} {_mb(s['cross_cluster_bytes']):>19} {ratio:>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
