@@ -2,7 +2,9 @@
 
     python tools/compare_runs.py DiLoCoX=runs/dilocox.jsonl AllReduce=runs/allreduce.jsonl
 
-The last run named is the baseline that the ratio columns refer to.
+The last run named is the baseline that the ratio columns refer to. Naming several files
+alike (``delay=seed1.jsonl delay=seed2.jsonl``) averages them and shows the spread
+(max - min) of the validation loss.
 """
 
 import argparse
@@ -36,24 +38,36 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="NAME=METRICS_FILE")
     args = parser.parse_args(argv)
-    rows = []
+    groups = {}
     for item in args.runs:
         name, sep, path = item.partition("=")
         if not sep:
             parser.error(f"expected NAME=METRICS_FILE, got {item!r}")
-        rows.append((name, summarize(path)))
+        groups.setdefault(name, []).append(summarize(path))
+    rows = [(name, _mean(runs)) for name, runs in groups.items()]
     base = rows[-1][1]
-    header = (f"{'run':<14} {'val loss':>9} {'vs base':>8} {'tokens':>10} {'wall s':>8} {'tokens/s':>9} "
-              f"{'x-cluster MiB/rank':>19} {'bytes vs base':>14}")
+    header = (f"{'run':<14} {'n':>2} {'val loss':>9} {'spread':>7} {'vs base':>8} {'tokens':>10} {'wall s':>8} "
+              f"{'tokens/s':>9} {'x-cluster MiB/rank':>19} {'bytes vs base':>14}")
     print(header)
     print("-" * len(header))
     for name, s in rows:
         gap = (s["val_loss"] / base["val_loss"] - 1) * 100
         ratio = ("n/a" if not s["cross_cluster_bytes"] or not base["cross_cluster_bytes"]
                  else f"1/{base['cross_cluster_bytes'] / s['cross_cluster_bytes']:.1f}")
-        print(f"{name:<14} {s['val_loss']:>9.4f} {gap:>+7.1f}% {s['tokens']:>10,} {s['elapsed_s']:>8.1f} "
-              f"{s['tokens_per_sec']:>9.0f} {_mb(s['cross_cluster_bytes']):>19} {ratio:>14}")
+        print(f"{name:<14} {s['n']:>2} {s['val_loss']:>9.4f} {s['spread']:>7.4f} {gap:>+7.1f}% {s['tokens']:>10,} "
+              f"{s['elapsed_s']:>8.1f} {s['tokens_per_sec']:>9.0f} {_mb(s['cross_cluster_bytes']):>19} {ratio:>14}")
     return 0
+
+
+def _mean(runs: list[dict]) -> dict:
+    """Mean of each figure over runs, plus the validation-loss spread (max - min)."""
+    out = {key: sum(r[key] for r in runs) / len(runs) for key in ("val_loss", "tokens", "elapsed_s", "tokens_per_sec")}
+    out["tokens"] = int(out["tokens"])
+    xs = [r["cross_cluster_bytes"] for r in runs]
+    out["cross_cluster_bytes"] = None if None in xs else sum(xs) / len(xs)
+    out["spread"] = max(r["val_loss"] for r in runs) - min(r["val_loss"] for r in runs)
+    out["n"] = len(runs)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Convergence of the DiLoCoX sync modes against AllReduce at equal tokens, two seeds each:
+# 2 clusters x (PP=2) on 4 CPU processes, H=20, on the quickstart's stdlib dataset.
+# Usage: bash examples/benchmark/sync_modes.sh   (after examples/quickstart.sh built the data)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source tools/setup_env.sh
+DATA=${DATA:-data/quickstart}
+OUT=${OUT:-runs/sync_modes}
+ITERS=${ITERS:-200}
+H=${H:-20}
+SEEDS=${SEEDS:-"1234 4321"}
+mkdir -p "$OUT"
+COMMON=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
+        --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
+        --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0
+        --data-path "$DATA/stdlib_text_document" --tokenizer-model "$DATA/stdlib_sp.model" --split 98,2,0
+        --data-cache-path "$DATA/cache" --log-interval 50 --eval-interval "$ITERS" --eval-iters 16
+        --pipeline-model-parallel-size 2 --dilocox-clusters 2)
+declare -A MODE_ARGS=(
+  [allreduce]=""
+  [sync]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode sync"
+  [delay]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode delay"
+  [delay-naive]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode delay-naive"
+)
+TABLE=()
+for mode in sync delay delay-naive allreduce; do
+  for seed in $SEEDS; do
+    echo "> $mode, seed $seed"
+    rm -f "$OUT/$mode-$seed.jsonl"
+    # shellcheck disable=SC2086
+    torchrun --nproc-per-node 4 pretrain_gpt.py "${COMMON[@]}" ${MODE_ARGS[$mode]} --seed "$seed" \
+      --metrics-file "$OUT/$mode-$seed.jsonl" > "$OUT/$mode-$seed.log" 2>&1
+    TABLE+=("$mode=$OUT/$mode-$seed.jsonl")
+  done
+done
+python tools/compare_runs.py "${TABLE[@]}"
