@@ -10,9 +10,11 @@ and a DiLoCoX run consumes exactly the tokens of an AllReduce run with the same 
 
 import os
 
+import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import _IndexReader
 
 from megatron_dilocox.arguments import ConfigError
 
@@ -23,12 +25,29 @@ def _blend(data_path):
     return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
 
 
-def _check_files(prefixes):
+def _check_files(prefixes, vocab_size: int):
+    """Each prefix has a readable .idx, a .bin of exactly the size the .idx describes, and token
+    ids the tokenizer knows (checked on the first million tokens)."""
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             path = prefix + ext
             if not os.path.isfile(path):
                 raise ConfigError(f"--data-path: file not found: {path}")
+        try:
+            index = _IndexReader(prefix + ".idx", multimodal=False)
+        except Exception as err:  # megatron raises AssertionError, struct.error, ValueError, ...
+            raise ConfigError(f"--data-path: not a megatron index file: {prefix}.idx ({err or type(err).__name__})") from None
+        expected = 0
+        if index.sequence_count:
+            expected = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+        actual = os.path.getsize(prefix + ".bin")
+        if actual != expected:
+            raise ConfigError(f"--data-path: {prefix}.bin has {actual} bytes, its .idx expects {expected} "
+                              "(truncated or mismatched files)")
+        head = numpy.memmap(prefix + ".bin", dtype=index.dtype, mode="r")[:1_000_000]
+        if head.size and int(head.max()) >= vocab_size:
+            raise ConfigError(f"--data-path: {prefix}.bin holds token id {int(head.max())} but the tokenizer has "
+                              f"{vocab_size} tokens: was it made with another --tokenizer-model?")
 
 
 def build_datasets(args, tokenizer):
@@ -36,7 +55,7 @@ def build_datasets(args, tokenizer):
     blend = None
     if not args.mock_data:
         blend = _blend(args.data_path)
-        _check_files(blend[0])
+        _check_files(blend[0], tokenizer.vocab_size)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     sizes = [args.train_iters * args.global_batch_size, evals * args.global_batch_size, 0]
     config = GPTDatasetConfig(

@@ -1,0 +1,113 @@
+"""Bad flags and bad input files fail fast with one line naming the flag or file."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO, free_port
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3"]
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+
+
+def run_pretrain(args, world_env=False):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if world_env:  # a one-process "torchrun" environment, without torchrun's own start-up cost
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--hidden-size", "30"], ["--hidden-size 30", "--num-attention-heads 4"]),
+    (["--tensor-model-parallel-size", "3"], ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--no-overlap-p2p-communication", "--num-layers", "4"], ["--num-layers-per-virtual-pipeline-stage", "batched p2p"]),
+    (["--dilocox", "--dilocox-local-steps", "0"], ["--dilocox-local-steps"]),
+    (["--dilocox", "--dilocox-outer-momentum", "0"], ["--dilocox-outer-momentum"]),
+    (["--sequence-parallel"], ["--sequence-parallel"]),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/nonexistent.model"], ["/nonexistent.model"]),
+])
+def test_bad_flags(extra, needles):
+    assert_one_line_error(run_pretrain(BASE + MOCK + extra), *needles)
+
+
+def test_missing_data_path():
+    assert_one_line_error(run_pretrain(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]),
+                          "--data-path")
+
+
+def test_help_documents_every_flag():
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    for flag in ("--num-layers", "--swiglu", "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer",
+                 "--recompute-granularity", "--data-path", "--metrics-file", "--wandb-exp-name",
+                 "--dilocox-sync-mode", "--dilocox-no-nesterov"):
+        assert flag in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A tiny real dataset made with the project's tools."""
+    out = tmp_path_factory.mktemp("data")
+    corpus = out / "corpus.jsonl"
+    py = sys.executable
+    subprocess.run([py, "tools/make_corpus.py", "--output", str(corpus), "--max-docs", "40"], cwd=REPO, check=True,
+                   capture_output=True)
+    subprocess.run([py, "tools/train_tokenizer.py", "--input", str(corpus), "--json-keys", "text", "--vocab-size",
+                    "400", "--model-prefix", str(out / "sp")], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([py, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(out / "c"),
+                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "sp.model"),
+                    "--append-eod"], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+def _data_flags(dataset, prefix):
+    return ["--data-path", str(prefix), "--tokenizer-model", str(dataset / "sp.model"), "--data-cache-path",
+            str(dataset / "cache")]
+
+
+def test_world_size_must_match_layout(dataset):
+    proc = run_pretrain(BASE + _data_flags(dataset, dataset / "c_text_document") + ["--tensor-model-parallel-size", "2"],
+                        world_env=True)
+    assert_one_line_error(proc, "world size 1", "--tensor-model-parallel-size")
+
+
+def test_truncated_bin_file(dataset, tmp_path):
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"t{ext}").write_bytes((dataset / f"c_text_document{ext}").read_bytes())
+    with open(tmp_path / "t.bin", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "t.bin") - 10)
+    proc = run_pretrain(BASE + _data_flags(dataset, tmp_path / "t"), world_env=True)
+    assert_one_line_error(proc, "t.bin", "truncated")
+
+
+def test_missing_bin_file(dataset):
+    proc = run_pretrain(BASE + _data_flags(dataset, dataset / "nope"), world_env=True)
+    assert_one_line_error(proc, "nope.bin", "not found")
+
+
+def test_wrong_tokenizer_model(dataset):
+    proc = run_pretrain(BASE + ["--data-path", str(dataset / "c_text_document"),
+                                "--tokenizer-model", str(dataset / "corpus.jsonl")], world_env=True)
+    assert_one_line_error(proc, "corpus.jsonl")
+
+
+def test_dataset_from_another_tokenizer(dataset, tmp_path):
+    subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(dataset / "corpus.jsonl"),
+                    "--json-keys", "text", "--vocab-size", "350", "--model-prefix", str(tmp_path / "small")],
+                   cwd=REPO, check=True, capture_output=True)
+    proc = run_pretrain(BASE + ["--data-path", str(dataset / "c_text_document"), "--tokenizer-model",
+                                str(tmp_path / "small.model"), "--data-cache-path", str(tmp_path)], world_env=True)
+    assert_one_line_error(proc, "c_text_document.bin", "another --tokenizer-model")
