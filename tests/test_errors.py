@@ -57,57 +57,41 @@ def test_help_documents_every_flag():
         assert flag in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """A tiny real dataset made with the project's tools."""
-    out = tmp_path_factory.mktemp("data")
-    corpus = out / "corpus.jsonl"
-    py = sys.executable
-    subprocess.run([py, "tools/make_corpus.py", "--output", str(corpus), "--max-docs", "40"], cwd=REPO, check=True,
-                   capture_output=True)
-    subprocess.run([py, "tools/train_tokenizer.py", "--input", str(corpus), "--json-keys", "text", "--vocab-size",
-                    "400", "--model-prefix", str(out / "sp")], cwd=REPO, check=True, capture_output=True)
-    subprocess.run([py, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(out / "c"),
-                    "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "sp.model"),
-                    "--append-eod"], cwd=REPO, check=True, capture_output=True)
-    return out
-
-
 def _data_flags(dataset, prefix):
     return ["--data-path", str(prefix), "--tokenizer-model", str(dataset / "sp.model"), "--data-cache-path",
             str(dataset / "cache")]
 
 
-def test_world_size_must_match_layout(dataset):
-    proc = run_pretrain(BASE + _data_flags(dataset, dataset / "c_text_document") + ["--tensor-model-parallel-size", "2"],
+def test_world_size_must_match_layout(tiny_dataset):
+    proc = run_pretrain(BASE + _data_flags(tiny_dataset, tiny_dataset / "c_text_document") + ["--tensor-model-parallel-size", "2"],
                         world_env=True)
     assert_one_line_error(proc, "world size 1", "--tensor-model-parallel-size")
 
 
-def test_truncated_bin_file(dataset, tmp_path):
+def test_truncated_bin_file(tiny_dataset, tmp_path):
     for ext in (".bin", ".idx"):
-        (tmp_path / f"t{ext}").write_bytes((dataset / f"c_text_document{ext}").read_bytes())
+        (tmp_path / f"t{ext}").write_bytes((tiny_dataset / f"c_text_document{ext}").read_bytes())
     with open(tmp_path / "t.bin", "r+b") as f:
         f.truncate(os.path.getsize(tmp_path / "t.bin") - 10)
-    proc = run_pretrain(BASE + _data_flags(dataset, tmp_path / "t"), world_env=True)
+    proc = run_pretrain(BASE + _data_flags(tiny_dataset, tmp_path / "t"), world_env=True)
     assert_one_line_error(proc, "t.bin", "truncated")
 
 
-def test_missing_bin_file(dataset):
-    proc = run_pretrain(BASE + _data_flags(dataset, dataset / "nope"), world_env=True)
+def test_missing_bin_file(tiny_dataset):
+    proc = run_pretrain(BASE + _data_flags(tiny_dataset, tiny_dataset / "nope"), world_env=True)
     assert_one_line_error(proc, "nope.bin", "not found")
 
 
-def test_wrong_tokenizer_model(dataset):
-    proc = run_pretrain(BASE + ["--data-path", str(dataset / "c_text_document"),
-                                "--tokenizer-model", str(dataset / "corpus.jsonl")], world_env=True)
+def test_wrong_tokenizer_model(tiny_dataset):
+    proc = run_pretrain(BASE + ["--data-path", str(tiny_dataset / "c_text_document"),
+                                "--tokenizer-model", str(tiny_dataset / "corpus.jsonl")], world_env=True)
     assert_one_line_error(proc, "corpus.jsonl")
 
 
-def test_dataset_from_another_tokenizer(dataset, tmp_path):
-    subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(dataset / "corpus.jsonl"),
+def test_dataset_from_another_tokenizer(tiny_dataset, tmp_path):
+    subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(tiny_dataset / "corpus.jsonl"),
                     "--json-keys", "text", "--vocab-size", "350", "--model-prefix", str(tmp_path / "small")],
                    cwd=REPO, check=True, capture_output=True)
-    proc = run_pretrain(BASE + ["--data-path", str(dataset / "c_text_document"), "--tokenizer-model",
+    proc = run_pretrain(BASE + ["--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model",
                                 str(tmp_path / "small.model"), "--data-cache-path", str(tmp_path)], world_env=True)
     assert_one_line_error(proc, "c_text_document.bin", "another --tokenizer-model")

@@ -1,0 +1,28 @@
+"""A 4-process TP2/PP2 run on a dataset made with the tools learns, and its metrics file is JSON lines."""
+
+import math
+
+from launch import REPO, read_jsonl, torchrun
+
+
+def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    torchrun(4, REPO / "pretrain_gpt.py", [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "200", "--lr", "3e-3",
+        "--lr-warmup-iters", "10", "--lr-decay-style", "cosine", "--min-lr", "3e-4",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model", str(tiny_dataset / "sp.model"),
+        "--data-cache-path", str(tmp_path / "cache"), "--split", "95,5,0",
+        "--log-interval", "20", "--eval-interval", "20", "--eval-iters", "4", "--metrics-file", str(metrics)])
+    records = read_jsonl(metrics)
+    train = [r for r in records if "lm_loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(20, 201, 20))
+    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s"} <= set(train[0])
+    assert {"iteration", "val_loss", "val_ppl"} <= set(evals[0])
+    assert train[-1]["tokens"] == 200 * 16 * 64
+    assert [r["iteration"] for r in evals] == list(range(20, 201, 20))
+    # An untrained model scores about ln(vocab) = ln(400) = 6.0; most of the drop comes early.
+    val = [r["val_loss"] for r in evals]
+    assert val[-1] < math.log(400) - 1.5 and val[-1] < val[0] - 0.15, val
