@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
-from megatron_dilocox.topology import Topology
+from megatron_dilocox.topology import Topology, device
 
 
 def _leaf_optimizers(optimizer):
@@ -79,7 +79,7 @@ class DiLoCoX:
         Parameters replicated across tensor-parallel ranks (norms, biases) count once per TP rank.
         """
         group = self.topo.cluster_group if self._distributed_optimizer() else self.topo.pg_collection.mp
-        total = torch.tensor([sq], dtype=torch.float64)
+        total = torch.tensor([sq], dtype=torch.float64, device=device())
         dist.all_reduce(total, group=group)
         if not self._distributed_optimizer():
             total /= self.topo.inner_dp_size

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dilocox.topology import device
 from megatron_dilocox.training.data import MicroBatches
 
 
@@ -27,7 +28,7 @@ def _loss_func(loss_mask, output_tensor):
 
 def forward_step(data_iterator, model):
     """megatron's forward-step contract: (output, loss function of the output)."""
-    batch = next(data_iterator)
+    batch = {key: value.to(device(), non_blocking=True) for key, value in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
@@ -68,13 +69,13 @@ class Trainer:
         )
         if not self.is_last_stage:
             return torch.zeros(2, dtype=torch.float64)
-        return torch.stack([x["lm loss"] for x in losses]).sum(0).double()
+        return torch.stack([x["lm loss"] for x in losses]).sum(0).double().cpu()
 
     def _mean_over_replicas(self, loss_and_tokens: torch.Tensor) -> float:
         """Token-weighted mean loss over the cluster's data-parallel replicas (last stage only)."""
         if not self.is_last_stage:
             return float("nan")
-        total = loss_and_tokens.clone()
+        total = loss_and_tokens.to(device())
         dist.all_reduce(total, group=self.topo.pg_collection.dp)
         return float(total[0] / total[1])
 

@@ -1,5 +1,6 @@
 """Build the GPT model chunks, initialise them layout-independently, wrap them in DDP."""
 
+import importlib.util
 import zlib
 from functools import partial
 
@@ -8,8 +9,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dilocox.topology import Topology
@@ -48,8 +53,8 @@ def transformer_config(args) -> TransformerConfig:
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         overlap_p2p_comm=args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=not (args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None),
-        # Fused kernels need CUDA.
-        masked_softmax_fusion=not on_cpu,
+        # Fused kernels need CUDA, and the softmax one apex's compiled extension.
+        masked_softmax_fusion=not on_cpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -68,9 +73,21 @@ def _chunk_stages(vp_stage):
     )
 
 
+def layer_spec(args):
+    """Transformer Engine's layer spec with CUDA when it imports, megatron's local one otherwise."""
+    if torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+    return get_gpt_layer_local_spec(normalization=args.normalization)
+
+
 def build_gpt_chunks(args, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
     """The model chunks this rank holds (one per virtual pipeline stage)."""
-    spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    spec = layer_spec(args)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -154,7 +171,12 @@ def initialize_parameters(chunks, config: TransformerConfig, seed: int, tied: bo
 
 
 def wrap_ddp(chunks, config: TransformerConfig, topo: Topology, use_distributed_optimizer: bool):
-    """megatron-core DDP over the cluster-local data-parallel group; sets the schedule hooks."""
+    """Moves the chunks to the GPU (if any), wraps them for bf16, then in megatron-core DDP over
+    the cluster-local data-parallel group; sets the schedule hooks."""
+    if torch.cuda.is_available():
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
+    if config.bf16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -180,7 +202,8 @@ def gather_full_params(chunks, tied: bool) -> dict[str, torch.Tensor]:
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     full = {}
     for chunk in chunks:
-        chunk = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+            chunk = chunk.module
         for param, name in _global_names(chunk, tied).items():
             tensor = param.detach().float()
             if getattr(param, "tensor_model_parallel", False) and tp_size > 1:

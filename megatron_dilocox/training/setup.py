@@ -64,7 +64,7 @@ def setup(args):
     """Builds everything a :class:`Trainer` needs."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_distributed(backend, args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -104,6 +104,8 @@ def run(args) -> None:
     trainer.logger.print(f"> {describe(args, trainer.topo)}; {args.train_iters} iterations, "
                          f"global batch {args.global_batch_size} x {args.seq_length} tokens")
     trainer.train()
+    if torch.cuda.is_available():
+        trainer.logger.print(f"> peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if args.metrics_file:
         trainer.logger.print(f"> metrics written to {os.path.abspath(args.metrics_file)}")
     trainer.logger.close()
