@@ -25,23 +25,17 @@ if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model" --append-eod --workers 2
 fi
 
-MODEL_ARGS=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128
-            --max-position-embeddings 128 --hidden-dropout 0 --attention-dropout 0)
-TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4
-            --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0 --seed 1234)
-DATA_ARGS=(--data-path "$DATA/stdlib_text_document" --tokenizer-type SentencePieceTokenizer
-           --tokenizer-model "$DATA/stdlib_sp.model" --split 98,2,0 --data-cache-path "$DATA/cache")
-LOG_ARGS=(--log-interval 25 --eval-interval 50 --eval-iters 8)
-LAYOUT=(--pipeline-model-parallel-size 2 --dilocox-clusters 2)
+source examples/quickstart_gpt.sh
+LOG_ARGS=(--log-interval 25 --eval-interval 50 --eval-iters 8 --seed 1234)
 
 echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, one-step-delay overlap"
 torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
-  "${LOG_ARGS[@]}" "${LAYOUT[@]}" --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" \
+  "${LOG_ARGS[@]}" "${LAYOUT_ARGS[@]}" --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" \
   2> "$OUT/dilocox.stderr"
 
 echo "> AllReduce baseline: the same 2 x (PP=2) ranks, gradients reduced across clusters every step"
 torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
-  "${LOG_ARGS[@]}" "${LAYOUT[@]}" --metrics-file "$OUT/allreduce.jsonl" 2> "$OUT/allreduce.stderr"
+  "${LOG_ARGS[@]}" "${LAYOUT_ARGS[@]}" --metrics-file "$OUT/allreduce.jsonl" 2> "$OUT/allreduce.stderr"
 
 echo
 python tools/compare_runs.py DiLoCoX="$OUT/dilocox.jsonl" AllReduce="$OUT/allreduce.jsonl"

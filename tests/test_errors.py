@@ -95,3 +95,8 @@ def test_dataset_from_another_tokenizer(tiny_dataset, tmp_path):
     proc = run_pretrain(BASE + ["--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model",
                                 str(tmp_path / "small.model"), "--data-cache-path", str(tmp_path)], world_env=True)
     assert_one_line_error(proc, "c_text_document.bin", "another --tokenizer-model")
+
+
+def test_world_must_split_into_clusters():
+    proc = run_pretrain(BASE + MOCK + ["--dilocox", "--dilocox-clusters", "2"], world_env=True)
+    assert_one_line_error(proc, "--dilocox-clusters 2")

@@ -11,12 +11,9 @@ ITERS=${ITERS:-200}
 H=${H:-20}
 SEEDS=${SEEDS:-"1234 4321"}
 mkdir -p "$OUT"
-COMMON=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
-        --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS"
-        --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1 --clip-grad 1.0
-        --data-path "$DATA/stdlib_text_document" --tokenizer-model "$DATA/stdlib_sp.model" --split 98,2,0
-        --data-cache-path "$DATA/cache" --log-interval 50 --eval-interval "$ITERS" --eval-iters 16
-        --pipeline-model-parallel-size 2 --dilocox-clusters 2)
+source examples/quickstart_gpt.sh
+COMMON=("${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${LAYOUT_ARGS[@]}"
+        --log-interval 50 --eval-interval "$ITERS" --eval-iters 16)
 declare -A MODE_ARGS=(
   [allreduce]=""
   [sync]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode sync"
