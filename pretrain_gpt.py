@@ -13,20 +13,24 @@ import sys
 from megatron_dilocox.arguments import ConfigError, parse_args
 
 
+def _error(err: ConfigError) -> int:
+    """One line, from one rank (every rank checks alike and exits alike)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except ConfigError as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
 
     try:
         run(args)
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
     return 0
 
 

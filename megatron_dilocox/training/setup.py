@@ -1,11 +1,18 @@
 """From parsed flags to a running job: process groups, data, model, optimizers, loop."""
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from megatron_dilocox.platform import cpu
+
+# megatron-core announces its pure-torch fallbacks (no apex / Transformer Engine) at import, once
+# per module and rank; they are expected on CPU and say nothing the user can act on.
+for _expected in (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
+                  r"full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=_expected)
 
 cpu.install()  # before megatron-core is used: it must see CPU where it expects CUDA
 
