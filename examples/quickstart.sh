@@ -6,14 +6,14 @@
 #   3. pretrain a small GPT with DiLoCoX: 2 clusters x 2 ranks (pipeline-parallel) on 4 processes
 #   4. pretrain the same model on the same tokens with vanilla AllReduce
 #   5. print both side by side: validation loss and cross-cluster bytes
-# Usage: bash examples/quickstart.sh        (ITERS=300 bash examples/quickstart.sh for longer)
+# Usage: bash examples/quickstart.sh        (ITERS=300 bash examples/quickstart.sh trains longer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup_env.sh
 
 DATA=${DATA:-data/quickstart}
 OUT=${OUT:-runs/quickstart}
-ITERS=${ITERS:-150}
+ITERS=${ITERS:-120}
 mkdir -p "$DATA" "$OUT"
 
 if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
@@ -26,7 +26,7 @@ if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
 fi
 
 source examples/quickstart_gpt.sh
-LOG_ARGS=(--log-interval 25 --eval-interval 50 --eval-iters 8 --seed 1234)
+LOG_ARGS=(--log-interval 20 --eval-interval 40 --eval-iters 6 --seed 1234)
 
 echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, one-step-delay overlap"
 torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
