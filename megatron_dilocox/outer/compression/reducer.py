@@ -1,0 +1,436 @@
+"""CompressedReducer: compressed, bit-identical mean of the pseudo-gradient over the outer group.
+
+Plugs into :class:`~megatron_dilocox.outer.sync.OuterSync` as its ``reducer``: called with
+``[delta]`` (one flat fp32 buffer, the concatenation of this rank's parameter shards laid out as
+``shapes``) from OuterSync's single worker thread, one round at a time, in the same order on
+every rank; returns ``[g]``, the decompressed mean, bit-identical on every rank::
+
+    counter = ByteCounter()
+    reducer = CompressedReducer([p.shape for p in params], "lowrank-quantize", bits=4, rank=8,
+                                counter=counter)
+    sync = OuterSync(params, group, config, reducer=reducer, counter=counter)
+    ...
+    sync.step(iteration); reducer.last_stats  # ratio, rel_error, ranks, timings of the last round
+
+**How agreement is guaranteed.** Except for ``none`` (a plain fp32 ring all-reduce, as
+:func:`~megatron_dilocox.outer.sync.allreduce_mean`), nothing is summed in flight. Each exchange
+all-gathers every cluster's framed payload (header + crc32, see ``wire.py``); every rank checks
+and decodes all C payloads, including its own as it came back, and sums them in fp32 in cluster
+order 0, 1, ..., C-1, then divides by C (a tensor divide: true IEEE division on every device).
+So all ranks run the same exactly rounded operations on the same bytes in the same order. The
+PowerSGD steps between and after the exchanges are built the same way (``lowrank.py``), and so
+is the adaptive rank, which is decided from the shared reduced factors. A one-time handshake (and
+again after :meth:`load_state_dict`) compares a digest of the settings, round and ranks of every
+cluster, so a misconfigured peer fails with a clear error instead of a mismatched collective.
+
+**Bytes per round**, counted on ``counter`` as this rank's payload (see ``comm.py``), with
+``H = 40`` header bytes, ``S(n) = 4 n`` for fp32 parts and ``S(n) = ceil(n / block) *
+(block * bits / 8 + 4)`` for quantized ones, ``d`` the dense tensors and ``(m_i, n_i, r_i)`` the
+low-rank matrices:
+
+* ``none``: ``4 * numel`` (one all-reduce, no header).
+* ``quantize``: ``H + sum_all S(numel)`` (one exchange).
+* ``lowrank`` / ``lowrank-quantize``: ``H + sum_i S(m_i r_i) + sum_d S(numel_d)`` (P and the
+  dense tensors), then ``H + sum_i S(n_i r_i)`` (Q): two dependent exchanges.
+* plus 32 bytes for the handshake at the first round and after a resume.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dilocox.outer.compression import comm, lowrank, wire
+from megatron_dilocox.outer.compression import quantize as qz
+from megatron_dilocox.outer.compression.segments import SegmentCodec
+
+if TYPE_CHECKING:
+    from megatron_dilocox.outer.sync import ByteCounter
+
+CODECS = wire.CODECS
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """A tensor of the layout compressed low-rank, viewed as (m, n) = (shape[0], rest)."""
+
+    index: int
+    offset: int
+    m: int
+    n: int
+    max_rank: int
+
+
+class CompressedReducer:
+    """OuterSync reducer that compresses the pseudo-gradient (DESIGN.md §3, "Compression").
+
+    Args:
+        shapes: shapes of the tensors the flat buffer concatenates, in order. Tensors of 2 or
+            more dims are (shape[0], rest) matrices; they go low-rank if the factors are smaller
+            than the matrix, the rest go dense.
+        codec: ``none`` (fp32 all-reduce), ``quantize`` (every tensor blockwise int8/int4),
+            ``lowrank`` (PowerSGD fp32 factors, dense tensors fp32), ``lowrank-quantize``
+            (factors and dense tensors quantized).
+        bits: 8 or 4, for the quantizing codecs.
+        rank: PowerSGD rank (the maximum when ``adaptive``); capped at min(m, n) per matrix.
+        block: elements per quantization scale (even).
+        error_feedback: keep the compression error locally and add it to the next round.
+        counter: ByteCounter to count sent bytes on (share OuterSync's); None counts nothing.
+        seed: seed of the random warm-start factors (must match across clusters).
+        adaptive: choose each matrix's rank every round from the shared spectrum
+            (:func:`~megatron_dilocox.outer.compression.lowrank.choose_rank`).
+        min_rank: lower bound of the adaptive rank.
+        energy: fraction of the spectrum's energy the adaptive rank keeps, in (0, 1].
+        ef_decay: factor in [0, 1] on the residual kept for the next round (1: plain error
+            feedback; below 1 damps stale residuals, at the price of some bias).
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]],
+        codec: str = "lowrank-quantize",
+        bits: int = 8,
+        rank: int = 8,
+        block: int = 256,
+        error_feedback: bool = False,
+        counter: ByteCounter | None = None,
+        seed: int = 0,
+        adaptive: bool = False,
+        min_rank: int = 1,
+        energy: float = 0.9,
+        ef_decay: float = 1.0,
+    ):
+        if codec not in CODECS:
+            raise ValueError(f"unknown compression codec {codec!r}; choose one of {', '.join(CODECS)}")
+        if codec in ("quantize", "lowrank-quantize"):
+            qz.check_args(bits, block)
+        if not 1 <= min_rank <= rank:
+            raise ValueError(f"need 1 <= min_rank <= rank, got min_rank {min_rank}, rank {rank}")
+        if not 0 < energy <= 1:
+            raise ValueError(f"energy must be in (0, 1], got {energy}")
+        if not 0 <= ef_decay <= 1:
+            raise ValueError(f"ef_decay must be in [0, 1], got {ef_decay}")
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.codec, self.bits, self.rank, self.block = codec, bits, rank, block
+        self.error_feedback, self.ef_decay = error_feedback and codec != "none", ef_decay
+        self.counter, self.seed = counter, seed
+        self.adaptive, self.min_rank, self.energy = adaptive, min_rank, energy
+        self.payload_bits = bits if codec in ("quantize", "lowrank-quantize") else 32
+        self.numel = sum(s.numel() for s in self.shapes)
+
+        self.matrices: list[_Matrix] = []
+        self.dense: list[tuple[int, int]] = []  # (offset, numel) of the dense tensors
+        offset = 0
+        for i, s in enumerate(self.shapes):
+            m = s[0] if len(s) >= 2 else 0
+            n = s.numel() // m if m else 0
+            if codec.startswith("lowrank") and m and lowrank.saves_bytes(m, n, rank):
+                self.matrices.append(_Matrix(i, offset, m, n, min(rank, m, n)))
+            elif s.numel():
+                self.dense.append((offset, s.numel()))
+            offset += s.numel()
+
+        self.round = 0
+        self.ranks = [mat.max_rank for mat in self.matrices]
+        self.residual: torch.Tensor | None = None
+        self.last_stats: dict[str, Any] = {}
+        self._q: list[torch.Tensor | None] = [None] * len(self.matrices)
+        self._outside = [0.0] * len(self.matrices)
+        self._agreed = False
+
+    # -- the reducer hook --------------------------------------------------------------------
+
+    def __call__(self, tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+        """Mean over ``group`` of the one flat fp32 tensor in ``tensors`` (see the module doc).
+
+        ``group`` None (one cluster) runs the same compression with no communication. The
+        ``none`` codec reduces in place, like ``allreduce_mean``; the others leave the input alone.
+        """
+        if len(tensors) != 1:
+            raise ValueError(f"CompressedReducer reduces one flat buffer, got {len(tensors)} tensors")
+        (delta,) = tensors
+        if delta.dtype != torch.float32 or delta.dim() != 1 or delta.numel() != self.numel:
+            raise ValueError(
+                f"CompressedReducer expects a flat fp32 buffer of {self.numel} elements (its shapes), "
+                f"got {delta.dtype} of shape {tuple(delta.shape)}"
+            )
+        with torch.no_grad():
+            if self.codec == "none":
+                return [self._allreduce(delta, group)]
+            return [self._reduce(delta, group)]
+
+    def _allreduce(self, delta: torch.Tensor, group) -> torch.Tensor:
+        from megatron_dilocox.outer.sync import allreduce_mean  # plain torch; imported late
+
+        self.round += 1
+        start = time.perf_counter()
+        allreduce_mean([delta], group, self.counter)
+        sent = 0 if group is None else 4 * self.numel
+        self.last_stats = dict(
+            round=self.round, codec="none", dense_bytes=4 * self.numel, payload_bytes=4 * self.numel,
+            sent_bytes=sent, ratio=1.0, rel_error=0.0, ranks=[], mean_rank=0.0, encode_s=0.0,
+            comm_s=time.perf_counter() - start, decode_s=0.0, residual_ratio=0.0,
+        )
+        return delta
+
+    def _reduce(self, delta: torch.Tensor, group) -> torch.Tensor:
+        self.round += 1
+        self._group = group
+        self._clusters = 1 if group is None else dist.get_world_size(group)
+        self._me = 0 if group is None else dist.get_rank(group)
+        self._device = delta.device
+        self._times = defaultdict(float)
+        self._sent = self._payload = 0
+        ranks_used = list(self.ranks)
+        if not self._agreed:
+            self._handshake()
+
+        with self._timed("encode"):
+            if self.error_feedback:
+                if self.residual is None:
+                    self.residual = torch.zeros_like(delta)
+                self.residual = self.residual.to(delta.device)  # a no-op unless just loaded
+                x = delta + self.residual
+            else:
+                x = delta
+            out, own = torch.empty_like(x), torch.empty_like(x)
+        if self.matrices:
+            self._lowrank_round(x, out, own)
+        else:
+            self._dense_round(x, out, own)
+
+        with self._timed("encode"):
+            err = torch.linalg.vector_norm(own - x).item()
+            norm = torch.linalg.vector_norm(x).item()
+            residual_ratio = 0.0
+            if self.error_feedback:
+                torch.sub(x, own, out=self.residual)
+                if not bool(torch.isfinite(self.residual).all()):
+                    self.residual.zero_()  # a non-finite round is skipped by all; drop it here too
+                elif self.ef_decay != 1.0:
+                    self.residual.mul_(self.ef_decay)
+                dn = torch.linalg.vector_norm(delta).item()
+                residual_ratio = torch.linalg.vector_norm(self.residual).item() / dn if dn else 0.0
+        self.last_stats = dict(
+            round=self.round, codec=self.codec, dense_bytes=4 * self.numel,
+            payload_bytes=self._payload, sent_bytes=self._sent,
+            ratio=4 * self.numel / self._payload if self._payload else math.inf,
+            rel_error=err / norm if norm else 0.0, ranks=ranks_used,
+            mean_rank=sum(ranks_used) / len(ranks_used) if ranks_used else 0.0,
+            encode_s=self._times["encode"], comm_s=self._times["comm"],
+            decode_s=self._times["decode"], residual_ratio=residual_ratio,
+        )
+        return out
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _dense_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x[o: o + n] for o, n in self.dense]
+
+    def _write_dense(self, flat: torch.Tensor, dst: torch.Tensor) -> None:
+        offset = 0
+        for o, n in self.dense:
+            dst[o: o + n] = flat[offset: offset + n]
+            offset += n
+
+    def _dense_round(self, x: torch.Tensor, out: torch.Tensor, own: torch.Tensor) -> None:
+        with self._timed("encode"):
+            codec = SegmentCodec([n for _, n in self.dense], self.payload_bits, self.block)
+            body = codec.encode(self._dense_parts(x))
+        total, mine = self._exchange("dense", codec, body)
+        with self._timed("decode"):
+            self._write_dense(self._div(total), out)
+            self._write_dense(mine, own)
+
+    def _lowrank_round(self, x: torch.Tensor, out: torch.Tensor, own: torch.Tensor) -> None:
+        mats = [x[a.offset: a.offset + a.m * a.n].view(a.m, a.n) for a in self.matrices]
+        dense_numels = [n for _, n in self.dense]
+        with self._timed("encode"):
+            missing = [(i, None, [], self.ranks[i]) for i, q in enumerate(self._q) if q is None]
+            for (i, *_), q in zip(missing, self._warm_starts(missing)):
+                self._q[i] = q  # first round: seeded random starts, the same on every rank
+            qs = [q.to(x.device) for q in self._q]
+            ps = [m @ q for m, q in zip(mats, qs)]
+            codec = SegmentCodec([p.numel() for p in ps] + dense_numels, self.payload_bits, self.block)
+            body = codec.encode(ps + self._dense_parts(x))
+        total, mine = self._exchange("P", codec, body)
+
+        with self._timed("decode"):
+            split = sum(p.numel() for p in ps)
+            self._write_dense(self._div(total[split:]), out)
+            self._write_dense(mine[split:], own)
+            p_sum = _split(total[:split], [p.shape for p in ps])
+            p_hat = _by_shape(p_sum, lowrank.orthonormalize)
+
+        with self._timed("encode"):
+            qs_local = [m.T @ p for m, p in zip(mats, p_hat)]
+            codec = SegmentCodec([q.numel() for q in qs_local], self.payload_bits, self.block)
+            body = codec.encode(qs_local)
+        total, mine = self._exchange("Q", codec, body)
+
+        with self._timed("decode"):
+            q_mean = _split(self._div(total), [q.shape for q in qs_local])
+            q_own = _split(mine, [q.shape for q in qs_local])
+            plans = []
+            for i, a in enumerate(self.matrices):
+                span = slice(a.offset, a.offset + a.m * a.n)
+                lowrank.reconstruct(p_hat[i], q_mean[i], out[span].view(a.m, a.n))
+                torch.matmul(p_hat[i], q_own[i].T, out=own[span].view(a.m, a.n))  # local only
+                plans.append(self._plan(i, q_mean[i]))
+            self._q = self._warm_starts(plans)
+
+    def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[int, torch.Tensor, list[int], int]:
+        """Next round's rank of matrix i and the columns of this round's Q to start it from."""
+        r = self.ranks[i]
+        if not self.adaptive:
+            return i, q_mean, list(range(r)), r
+        new, keep, self._outside[i] = lowrank.choose_rank(
+            lowrank.column_energy(q_mean), r, min(self.min_rank, self.matrices[i].max_rank),
+            self.matrices[i].max_rank, self.energy, self._outside[i])
+        self.ranks[i] = new
+        return i, q_mean, keep, new
+
+    def _warm_starts(self, plans) -> list[torch.Tensor]:
+        """Orthonormal (n, rank) starts from kept Q columns plus seeded random ones.
+
+        A non-finite Q (a skipped round) restarts from random columns; a column that comes out
+        exactly zero (a matrix that was all zeros) is refilled, so no direction dies for good.
+        """
+        cands = []
+        for i, q, keep, r in plans:
+            n = self.matrices[i].n
+            kept = q.double()[:, keep] if q is not None else torch.empty(n, 0, dtype=torch.float64)
+            if not bool(torch.isfinite(kept).all()):
+                kept = kept[:, :0]
+            fresh = lowrank.random_columns(n, r - kept.shape[1], self.seed, self.round, i)
+            cands.append(torch.cat([kept, fresh.to(kept.device)], dim=1))
+        qs = _by_shape(cands, lowrank.orthonormalize)
+        for j, (i, *_rest) in enumerate(plans):
+            dead = [c for c, e in enumerate(lowrank.column_energy(qs[j])) if not e > 0]
+            if dead:
+                refill = lowrank.random_columns(cands[j].shape[0], len(dead), self.seed, self.round, i, 1)
+                cands[j][:, dead] = refill.to(cands[j].device)
+                qs[j] = lowrank.orthonormalize(cands[j])
+        return [q.float() for q in qs]
+
+    # -- exchange ----------------------------------------------------------------------------
+
+    def _exchange(self, stage: str, codec: SegmentCodec, body: torch.Tensor):
+        """All-gathers this rank's framed ``body``; returns (sum in cluster order, own decoded)."""
+        with self._timed("encode"):
+            header = wire.Header(self.codec, self.payload_bits, stage, self.round, self._me,
+                                 wire.layout_digest(stage, codec.numels, codec.bits, codec.block, "fp32"),
+                                 codec.nbytes)
+            payload = wire.frame(body, header)
+        with self._timed("comm"):
+            rows = comm.all_gather_bytes(payload, self._group, self.counter)
+        self._payload += payload.numel()
+        self._sent += payload.numel() if self._group is not None else 0
+        with self._timed("decode"):
+            bodies = [wire.unframe(rows[k], replace(header, sender=k)) for k in range(self._clusters)]
+            total = mine = None
+            for k, b in enumerate(bodies):  # fixed cluster order: the same adds on every rank
+                dec = codec.decode(b.to(self._device))
+                total = dec.clone() if total is None else total.add_(dec)
+                if k == self._me:
+                    mine = dec
+        return total, mine
+
+    def _div(self, t: torch.Tensor) -> torch.Tensor:
+        # A tensor divisor: true IEEE division on every device (a Python scalar may become a
+        # multiply by the reciprocal on some).
+        return t.div_(torch.tensor(float(self._clusters), dtype=t.dtype, device=t.device))
+
+    def _handshake(self) -> None:
+        """Checks that every cluster runs the same settings, round and ranks (32 bytes each)."""
+        digest = hashlib.blake2b(repr((self._setup(), self.round, self.ranks)).encode(),
+                                 digest_size=32).digest()
+        if self._group is not None:
+            rows = comm.all_gather_bytes(torch.frombuffer(bytearray(digest), dtype=torch.uint8),
+                                         self._group, self.counter)
+            self._sent += len(digest)
+            for k in range(self._clusters):
+                if rows[k].numpy().tobytes() != digest:
+                    raise ValueError(
+                        f"outer round {self.round}: cluster {k} runs different compression settings or "
+                        f"state than cluster {self._me} (this one: codec {self.codec}, bits {self.bits}, "
+                        f"rank {self.rank}, block {self.block}, adaptive {self.adaptive}, ranks "
+                        f"{self.ranks}); all clusters need the same compression flags and must resume "
+                        "from the same checkpoint"
+                    )
+        self._agreed = True
+
+    def _timed(self, key: str):
+        return _Timer(self._times, key, self._device)
+
+    # -- checkpointing -----------------------------------------------------------------------
+
+    def _setup(self) -> tuple:
+        return (_STATE_VERSION, self.codec, self.payload_bits, self.block, self.rank, self.min_rank,
+                self.adaptive, self.energy, self.seed, tuple(tuple(s) for s in self.shapes))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Round counter, warm-start factors, ranks and the error-feedback residual.
+
+        Take it when no reduction is in flight (after ``OuterSync.state_dict()``, which waits).
+        Returns references, not copies: save before the next reduction.
+        """
+        return dict(setup=self._setup(), round=self.round, ranks=list(self.ranks),
+                    outside=list(self._outside), q=list(self._q), residual=self.residual)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` output (tensors are copied); the next call re-handshakes."""
+        if tuple(state["setup"]) != self._setup():
+            raise ValueError(
+                "compression checkpoint was written with different settings: "
+                f"{state['setup']} (version, codec, bits, block, rank, min_rank, adaptive, energy, "
+                f"seed, shapes), this run has {self._setup()}"
+            )
+        self.round = int(state["round"])
+        self.ranks = [int(r) for r in state["ranks"]]
+        self._outside = [float(o) for o in state["outside"]]
+        self._q = [None if q is None else q.detach().clone() for q in state["q"]]
+        res = state["residual"]
+        self.residual = None if res is None else res.detach().clone()
+        self._agreed = False
+
+
+class _Timer:
+    def __init__(self, times, key, device):
+        self.times, self.key, self.cuda = times, key, device.type == "cuda"
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times[self.key] += time.perf_counter() - self.start
+
+
+def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        out.append(flat[offset: offset + n].view(s))
+        offset += n
+    return out
+
+
+def _by_shape(tensors: list[torch.Tensor], fn) -> list[torch.Tensor]:
+    """``[fn(t) for t in tensors]``, batching tensors of one shape into one call of ``fn``."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[tuple(t.shape)].append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in groups.values():
+        for i, r in zip(idx, fn(torch.stack([tensors[i] for i in idx])).unbind(0)):
+            out[i] = r
+    return out
