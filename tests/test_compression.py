@@ -1,0 +1,432 @@
+"""Compression codecs in one process: quantization, int4 packing, PowerSGD pieces, wire format,
+error feedback, adaptive rank, checkpointing. The gloo (C = 2) scenarios are in
+test_compression_dist.py. No test runs on zeros only.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_dilocox.outer.compression import CompressedReducer, lowrank, wire
+from megatron_dilocox.outer.compression import quantize as qz
+from megatron_dilocox.outer.compression.segments import SegmentCodec
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TINY = 2.0 ** -149  # smallest fp32 denormal: the rounding slack of a denormal result
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# -- quantization ------------------------------------------------------------------------------
+
+AWKWARD_SIZES = st.sampled_from([1, 2, 3, 255, 256, 257, 511, 1000])
+MAGNITUDES = st.sampled_from([1e-40, 1e-30, 1e-8, 1.0, 1e5, 1e30, 3e38])
+
+
+@st.composite
+def vectors(draw):
+    """Mixed-sign fp32 vectors of awkward sizes: raw fp32 draws or unit values times a magnitude."""
+    n = draw(AWKWARD_SIZES | st.integers(1, 700))
+    if draw(st.booleans()):
+        vals = draw(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                             min_size=n, max_size=n))
+        x = torch.tensor(vals, dtype=torch.float32)
+    else:
+        seed = draw(st.integers(0, 2**31 - 1))
+        x = (torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 2 - 1) * draw(MAGNITUDES)
+        x = x.float()
+    assume(bool((x != 0).any()))
+    return x
+
+
+def block_absmax(x, block):
+    n = x.numel()
+    pad = torch.nn.functional.pad(x.double().abs(), (0, -n % block))
+    return pad.view(-1, block).amax(1).repeat_interleave(block)[:n]
+
+
+@FAST
+@given(x=vectors(), bits=st.sampled_from([8, 4]), block=st.sampled_from([2, 64, 256]))
+def test_quantize_round_trip_error_is_bounded_per_block(x, bits, block):
+    q = qz.quantize(x, bits, block)
+    y = qz.dequantize(q)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert bool(torch.isfinite(y).all()), "finite input must decode finite"
+    err = (y.double() - x.double()).abs()
+    absmax = block_absmax(x, block)
+    half_step = absmax / (2 * qz.qmax(bits))  # round to nearest: half a quantization step
+    assert bool((err <= half_step * (1 + 2**-20) + TINY).all()), float((err - half_step).max())
+    assert bool((err <= absmax / 2 ** (bits - 1) + TINY).all())  # the coarser stated bound
+    assert bool((y.abs() <= absmax.float()).all()), "decoding never exceeds the block's absmax"
+    assert q.nbytes == qz.nbytes(x.numel(), bits, block)
+    assert q.codes.dtype == torch.uint8 and q.codes.numel() == math.ceil(x.numel() / block) * block * bits // 8
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_extremes(bits):
+    x = torch.tensor([3.4028235e38, -3.4028235e38, 1e-40, -1e-45, 0.0, 1.0, -2.5], dtype=torch.float32)
+    for block in (2, 8):
+        y = qz.dequantize(qz.quantize(x, bits, block))
+        assert bool(torch.isfinite(y).all())
+        assert y[0] == x[0] and y[1] == x[1]  # the block maximum is exact (fp32 scale = absmax)
+    # each block's maximum comes back exactly, denormal or not
+    x = torch.tensor([1e-40, 0.0, 0.0, -5.0])
+    assert torch.equal(qz.dequantize(qz.quantize(x, bits, 2)), x)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_to_nearest(bits):
+    m = qz.qmax(bits)
+    # with absmax m, the step is exactly 1: 0.49 -> 0, 0.51 -> 1, 2.5 -> 2 (half to even)
+    x = torch.tensor([float(m), 0.49, 0.51, -0.51, 2.5, -3.4], dtype=torch.float32)
+    y = qz.dequantize(qz.quantize(x, bits, 6))
+    assert y.tolist() == [float(m), 0.0, 1.0, -1.0, 2.0, -3.0]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_non_finite_blocks_stay_non_finite_and_isolated(bits):
+    x = rand(12)
+    x[1], x[6] = float("nan"), float("inf")
+    y = qz.dequantize(qz.quantize(x, bits, 4))
+    assert not bool(torch.isfinite(y[:8]).any())  # blocks 0 and 1 carry the NaN / inf
+    assert bool(torch.isfinite(y[8:]).all())
+    assert (y[8:] - x[8:]).abs().max() <= x[8:].abs().max() / qz.qmax(bits)
+
+
+def test_quantize_rejects_bad_args():
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        qz.quantize(rand(4), 3, 4)
+    with pytest.raises(ValueError, match="even"):
+        qz.quantize(rand(4), 4, 5)
+    with pytest.raises(ValueError, match="1-D fp32"):
+        qz.quantize(rand(2, 2), 8, 4)
+    assert qz.dequantize(qz.quantize(torch.empty(0), 8, 4)).numel() == 0
+
+
+@FAST
+@given(codes=st.lists(st.integers(-8, 7), min_size=0, max_size=300).filter(lambda c: len(c) % 2 == 0))
+def test_int4_pack_round_trip(codes):
+    q = torch.tensor(codes, dtype=torch.int8)
+    packed = qz.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.numel() == len(codes) // 2
+    assert torch.equal(qz.unpack_int4(packed), q)
+
+
+def test_int4_nibble_order():
+    # q + 8 per nibble, the even element in the low nibble: (-8, 7) -> 0x0 | 0xF << 4
+    assert qz.pack_int4(torch.tensor([-8, 7, 1, -1], dtype=torch.int8)).tolist() == [0xF0, 0x79]
+
+
+def test_segments_quantize_each_part_separately():
+    big, small = rand(300, seed=1, scale=1e6), rand(5, seed=2, scale=1e-3)
+    codec = SegmentCodec([300, 5], 8, 256)
+    assert codec.nbytes == qz.nbytes(300, 8, 256) + qz.nbytes(5, 8, 256)
+    body = codec.encode([big, small])
+    assert body.numel() == codec.nbytes
+    out = codec.decode(body)
+    assert out.shape == (305,)
+    # the small part has its own scale, so it keeps its precision next to the huge one
+    assert (out[300:] - small).abs().max() <= small.abs().max() / 254 * 1.001
+    raw = SegmentCodec([300, 5], 32, 256)
+    assert torch.equal(raw.decode(raw.encode([big, small])), torch.cat([big, small]))
+
+
+# -- PowerSGD pieces ---------------------------------------------------------------------------
+
+
+@FAST
+@given(m=st.integers(2, 40), n=st.integers(2, 40), k=st.integers(1, 6), extra=st.integers(0, 3),
+       seed=st.integers(0, 1000))
+def test_lowrank_exact_for_matrices_of_rank_at_most_r(m, n, k, extra, seed):
+    k = min(k, m, n)
+    r = min(k + extra, m, n)
+    assume(lowrank.saves_bytes(m, n, r))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) @ torch.randn(k, n, generator=g)
+    red = CompressedReducer([(m, n)], "lowrank", rank=r)
+    assert len(red.matrices) == 1
+    (out,) = red([a.reshape(-1)], None)
+    rel = (out.view(m, n) - a).norm() / a.norm()
+    assert rel < 1e-4, float(rel)
+
+
+def test_orthonormalize_properties_and_thread_independence():
+    p = rand(40000, 6, seed=3)  # big enough for torch to split elementwise ops across threads
+    p[:, 4] = p[:, 0] * 2 - p[:, 1]  # a dependent column
+    p[:, 5] = 0  # a zero column
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lowrank.orthonormalize(p)
+        torch.set_num_threads(2)
+        two = lowrank.orthonormalize(p)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one[:, 5], torch.zeros(40000))
+    keep = one[:, :4]
+    assert torch.allclose(keep.T @ keep, torch.eye(4), atol=1e-6)
+    # span is preserved: projecting p onto the basis gives p back
+    assert torch.allclose(one @ (one.T @ p), p, atol=1e-4)
+    batched = lowrank.orthonormalize(torch.stack([p, p * 3]))
+    assert torch.equal(batched[0], one)
+
+
+def test_reconstruct_is_chunk_independent_and_matches_matmul():
+    p, q = rand(700, 5, seed=4), rand(600, 5, seed=5)
+    out = torch.empty(700, 600)
+    lowrank.reconstruct(p, q, out)
+    assert torch.allclose(out, p @ q.T, rtol=1e-5, atol=1e-5)
+    # the same sum in a single chunk, term by term, must give the same bits
+    ref = p[:, :1] * q[:, 0]
+    for j in range(1, 5):
+        ref = ref + p[:, j: j + 1] * q[:, j]
+    assert torch.equal(out, ref)
+
+
+def test_tree_sum_and_random_columns_are_deterministic():
+    x = rand(37, 3, seed=6).double()
+    assert torch.allclose(lowrank.tree_sum(x, 0), x.sum(0))
+    assert lowrank.tree_sum(torch.empty(0, 3), 0).tolist() == [0, 0, 0]
+    assert torch.equal(lowrank.random_columns(10, 3, 1, 2, 3), lowrank.random_columns(10, 3, 1, 2, 3))
+    assert not torch.equal(lowrank.random_columns(10, 3, 1, 2, 3), lowrank.random_columns(10, 3, 1, 2, 4))
+
+
+def test_layout_sends_only_matrices_that_save_bytes_low_rank():
+    red = CompressedReducer([(64, 32), (32,), (1, 100), (3, 4), (4, 3, 5), (64, 2, 4)], "lowrank", rank=4)
+    assert [(a.index, a.m, a.n, a.max_rank) for a in red.matrices] == [(0, 64, 32, 4), (5, 64, 8, 4)]
+    assert [n for _, n in red.dense] == [32, 100, 12, 60]
+    assert CompressedReducer([(64, 32)], "quantize").matrices == []
+
+
+# -- adaptive rank -----------------------------------------------------------------------------
+
+
+def test_choose_rank_shrinks_and_then_holds_on_an_unchanged_spectrum():
+    spectrum = [0.6, 0.28, 0.08, 0.04, 0.0, 0.0, 0.0, 0.0]
+    rank, keep, outside = lowrank.choose_rank(spectrum, 8, 1, 8, 0.9, 0.0)
+    assert (rank, keep) == (3, [0, 1, 2])
+    assert outside == pytest.approx(0.04 / 0.96)
+    # next round sees only the 3 kept directions: it must not shrink further
+    again = lowrank.choose_rank(spectrum[:3], 3, 1, 8, 0.9, outside)
+    assert again[0] == 3 and again[2] == outside
+
+
+def test_choose_rank_grows_when_the_spectrum_flattens_and_respects_bounds():
+    rank, keep, outside = lowrank.choose_rank([0.34, 0.33, 0.33], 3, 1, 8, 0.9, 0.5)
+    assert rank == 4 and sorted(keep) == [0, 1, 2] and outside >= 0
+    assert lowrank.choose_rank([1.0, 1e-9, 1e-9, 1e-9], 4, 2, 4, 0.9, 0.0)[0] == 2  # min_rank
+    assert lowrank.choose_rank([0.25] * 4, 4, 1, 4, 0.9, 0.0)[0] == 4  # at max, flat: stay
+    # unordered energies: the strongest columns are kept
+    assert lowrank.choose_rank([0.01, 0.9, 0.01, 0.08], 4, 1, 4, 0.9, 0.0)[:2] == (1, [1])
+    assert lowrank.choose_rank([float("nan"), 1.0], 2, 1, 2, 0.9, 0.0)[0] == 2
+    assert lowrank.choose_rank([0.0, 0.0], 2, 1, 2, 0.9, 0.0)[0] == 2
+
+
+def test_adaptive_reducer_finds_the_rank_of_a_low_rank_pseudo_gradient():
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(80, 2, generator=g) @ torch.randn(2, 60, generator=g)
+    b = (torch.randn(50, 1, generator=g) @ torch.randn(1, 70, generator=g)) * 1e-4
+    x = torch.cat([a.reshape(-1), b.reshape(-1), rand(10, seed=8)])
+    red = CompressedReducer([(80, 60), (50, 70), (10,)], "lowrank-quantize", rank=8, adaptive=True)
+    ranks = []
+    for _ in range(4):
+        (out,) = red([x], None)
+        ranks.append(list(red.ranks))
+        assert red.last_stats["rel_error"] < 0.02
+    assert ranks[0] == [2, 1] and ranks[-1] == [2, 1]
+    assert red.last_stats["ranks"] == [2, 1] and red.last_stats["mean_rank"] == 1.5
+
+
+# -- wire format -------------------------------------------------------------------------------
+
+HEADER = wire.Header("lowrank-quantize", 4, "Q", 7, 1, wire.layout_digest("Q", [6], 4, 256), 10)
+
+
+def test_wire_round_trip():
+    body = torch.arange(10, dtype=torch.uint8) * 7
+    buf = wire.frame(body, HEADER)
+    assert buf.numel() == wire.HEADER_BYTES + 10 == 50
+    assert torch.equal(wire.unframe(buf, HEADER), body)
+
+
+@FAST
+@given(pos=st.integers(0, 49), bit=st.integers(0, 7))
+def test_wire_detects_any_flipped_bit(pos, bit):
+    buf = wire.frame(torch.arange(10, dtype=torch.uint8) * 7 + 1, HEADER)
+    buf[pos] ^= 1 << bit
+    with pytest.raises(ValueError, match="^outer round 7: payload from cluster 1 "):
+        wire.unframe(buf, HEADER)
+
+
+def test_wire_errors_name_the_problem():
+    buf = wire.frame(torch.arange(10, dtype=torch.uint8), HEADER)
+    tampered = buf.clone()
+    tampered[45] ^= 0x10  # a body byte
+    with pytest.raises(ValueError, match="outer round 7: payload from cluster 1 failed its checksum"):
+        wire.unframe(tampered, HEADER)
+    with pytest.raises(ValueError, match="truncated"):
+        wire.unframe(buf[:20], HEADER)
+    with pytest.raises(ValueError, match="body bytes"):
+        wire.unframe(buf[:-1], HEADER)
+    with pytest.raises(ValueError, match="round 6 .expected 7."):
+        wire.unframe(wire.frame(torch.arange(10, dtype=torch.uint8), wire.Header(*[
+            6 if f == "round" else getattr(HEADER, f) for f in wire.Header.__dataclass_fields__])), HEADER)
+
+
+# -- the reducer in one process (C = 1) --------------------------------------------------------
+
+SHAPES = [(48, 40), (40,), (3, 4, 5), (1, 90), (64, 24)]
+NUMEL = sum(math.prod(s) for s in SHAPES)
+
+
+def header_bytes_formula(red):
+    """Bytes a round of ``red`` sends, from the documented formula."""
+    def s(n):
+        return 4 * n if red.payload_bits == 32 else qz.nbytes(n, red.payload_bits, red.block)
+    dense = sum(s(n) for _, n in red.dense)
+    if not red.matrices:
+        return wire.HEADER_BYTES + dense
+    p = sum(s(a.m * r) for a, r in zip(red.matrices, red.ranks))
+    q = sum(s(a.n * r) for a, r in zip(red.matrices, red.ranks))
+    return 2 * wire.HEADER_BYTES + p + dense + q
+
+
+@pytest.mark.parametrize("codec,bits", [("quantize", 8), ("quantize", 4), ("lowrank", 8),
+                                        ("lowrank-quantize", 8), ("lowrank-quantize", 4)])
+def test_single_cluster_round_stats_and_bytes(codec, bits):
+    red = CompressedReducer(SHAPES, codec, bits=bits, rank=4, block=64)
+    x = rand(NUMEL, seed=9)
+    before = x.clone()
+    expected = header_bytes_formula(red)
+    (out,) = red([x], None)
+    assert torch.equal(x, before), "compressing codecs must not modify the input"
+    st_ = red.last_stats
+    assert st_["payload_bytes"] == expected and st_["sent_bytes"] == 0
+    assert st_["dense_bytes"] == 4 * NUMEL and st_["ratio"] == pytest.approx(4 * NUMEL / expected)
+    assert 0 < st_["rel_error"] < 1
+    assert st_["rel_error"] == pytest.approx(float((out - x).norm() / x.norm()), rel=1e-4)
+    assert st_["round"] == 1 and min(st_["encode_s"], st_["decode_s"]) >= 0
+
+
+def test_none_codec_is_allreduce_mean():
+    red = CompressedReducer(SHAPES, "none")
+    x = rand(NUMEL, seed=10)
+    (out,) = red([x], None)
+    assert out is x and red.last_stats["ratio"] == 1.0
+
+
+@pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize"])
+def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
+    red = CompressedReducer(SHAPES, codec, rank=4, error_feedback=True)
+    x = rand(NUMEL, seed=11)
+    bad = x.clone()
+    bad[5] = float("nan")
+    (out,) = red([bad], None)
+    assert not bool(torch.isfinite(out).all())
+    (out,) = red([x], None)
+    assert bool(torch.isfinite(out).all()), "warm starts and residual must recover from a NaN round"
+    assert bool(torch.isfinite(red.residual).all())
+
+
+def test_rejects_bad_setup():
+    with pytest.raises(ValueError, match="unknown compression codec"):
+        CompressedReducer(SHAPES, "topk")
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        CompressedReducer(SHAPES, "quantize", bits=2)
+    with pytest.raises(ValueError, match="min_rank"):
+        CompressedReducer(SHAPES, "lowrank", rank=2, min_rank=3)
+    with pytest.raises(ValueError, match="ef_decay"):
+        CompressedReducer(SHAPES, "lowrank", ef_decay=1.5)
+    red = CompressedReducer(SHAPES, "quantize")
+    with pytest.raises(ValueError, match=f"flat fp32 buffer of {NUMEL} elements"):
+        red([rand(NUMEL + 1)], None)
+    with pytest.raises(ValueError, match="one flat buffer"):
+        red([rand(NUMEL), rand(NUMEL)], None)
+
+
+# -- error feedback ----------------------------------------------------------------------------
+
+
+def ef_input():
+    """Random dense parts, rank-3 matrices (error feedback with rank r keeps the residual of a
+    rank-k matrix within about k/r times the input; for full-rank noise the bound is min(m, n)/r,
+    reached only after many rounds)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(NUMEL, generator=g)
+    x[: 48 * 40] = (torch.randn(48, 3, generator=g) @ torch.randn(3, 40, generator=g)).reshape(-1)
+    x[-64 * 24:] = (torch.randn(64, 3, generator=g) @ torch.randn(3, 24, generator=g)).reshape(-1)
+    return x
+
+
+@pytest.mark.parametrize("codec,bits,rank", [("quantize", 4, 1), ("lowrank-quantize", 4, 2),
+                                             ("lowrank-quantize", 8, 1), ("lowrank", 8, 2)])
+def test_error_feedback_is_unbiased_over_rounds(codec, bits, rank):
+    """The same input every round: with error feedback the running sum of outputs tracks the
+    running sum of inputs (the gap is the residual, which stays bounded); without, it drifts."""
+    x = ef_input()
+    rounds = 40
+    gaps = {}
+    for ef in (True, False):
+        red = CompressedReducer(SHAPES, codec, bits=bits, rank=rank, block=64, error_feedback=ef)
+        total = torch.zeros(NUMEL, dtype=torch.float64)
+        gap = []
+        for t in range(1, rounds + 1):
+            (out,) = red([x], None)
+            total += out.double()
+            gap.append(float((total - t * x.double()).norm() / x.norm()))
+        gaps[ef] = gap
+        if ef:
+            # the gap is exactly the residual (up to fp32 rounding of the running sums)
+            assert gap[-1] == pytest.approx(float(red.residual.norm() / x.norm()), rel=1e-3, abs=1e-4)
+    assert max(gaps[True]) < 4, gaps[True]
+    assert gaps[True][-1] < 0.2 * gaps[False][-1], (gaps[True][-1], gaps[False][-1])
+    assert gaps[False][-1] > 5 * gaps[False][4]  # without error feedback the bias keeps growing
+
+
+def test_ef_decay_damps_the_residual():
+    x = rand(NUMEL, seed=13)
+    norms = {}
+    for decay in (1.0, 0.5, 0.0):
+        red = CompressedReducer(SHAPES, "lowrank", rank=1, error_feedback=True, ef_decay=decay)
+        for _ in range(5):
+            red([x], None)
+        norms[decay] = float(red.residual.norm())
+    assert norms[1.0] > norms[0.5] > norms[0.0] == 0.0
+
+
+# -- checkpointing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["lowrank-quantize", "quantize"])
+def test_state_dict_resume_matches_uninterrupted(codec):
+    def make():
+        return CompressedReducer(SHAPES, codec, bits=4, rank=4, error_feedback=True, adaptive=True, seed=3)
+
+    inputs = [rand(NUMEL, seed=20 + t) for t in range(5)]
+    full = make()
+    outs = [full([x], None)[0] for x in inputs]
+    part = make()
+    for x in inputs[:3]:
+        part([x], None)
+    state = part.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.round == 3
+    for x, want in zip(inputs[3:], outs[3:]):
+        assert torch.equal(resumed([x], None)[0], want)
+    with pytest.raises(ValueError, match="different settings"):
+        CompressedReducer(SHAPES, codec, bits=8, rank=4).load_state_dict(state)
+
+
+def test_numpy_interop_of_int4_layout():
+    # the body is plain bytes: a numpy reader can unpack int4 codes the same way
+    q = qz.quantize(rand(8, seed=14), 4, 8)
+    codes = np.frombuffer(q.codes.numpy().tobytes(), dtype=np.uint8)
+    lo, hi = (codes & 0xF).astype(np.int8) - 8, (codes >> 4).astype(np.int8) - 8
+    assert np.array_equal(np.stack([lo, hi], 1).reshape(-1), qz.unpack_int4(q.codes).numpy())
