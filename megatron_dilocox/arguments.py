@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 
-from megatron_dilocox.config import SYNC_MODES, DiLoCoXConfig
+from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
 
 
 class ConfigError(ValueError):
@@ -142,6 +142,21 @@ def _dilocox_args(parser):
                    help="Plain momentum instead of Nesterov in the outer SGD.")
     g.add_argument("--dilocox-outer-timeout-s", type=float, default=defaults.outer_timeout_s,
                    help="Seconds a round waits for the cross-cluster reduction before failing.")
+    comp = CompressionConfig()
+    g.add_argument("--dilocox-compression", choices=CODECS, default=comp.codec,
+                   help="How the pseudo-gradient is compressed: low-rank (PowerSGD) factors of 2-D shards "
+                        "and/or blockwise absmax quantization.")
+    g.add_argument("--dilocox-quant-bits", type=int, choices=(8, 4), default=comp.bits, help="Bits per quantized value.")
+    g.add_argument("--dilocox-quant-block", type=int, default=comp.block, help="Values per quantization scale.")
+    g.add_argument("--dilocox-rank", type=int, default=comp.rank, help="Low-rank rank (upper bound when adaptive).")
+    g.add_argument("--dilocox-min-rank", type=int, default=comp.min_rank, help="Lower bound of the adaptive rank.")
+    g.add_argument("--dilocox-rank-energy", type=float, default=comp.rank_energy,
+                   help="Adaptive rank keeps this fraction of the previous round's spectrum energy.")
+    g.add_argument("--dilocox-adaptive", action="store_true", help="Choose each matrix's rank every round.")
+    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=comp.error_feedback,
+                   help="Carry what compression dropped into the next round.")
+    g.add_argument("--dilocox-ef-decay", type=float, default=comp.ef_decay,
+                   help="Factor applied to the error-feedback residual each round.")
     g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
                    help="Add this many seconds to every cross-cluster reduction: see the overlap "
                         "hide a slow link without one (benchmarks and tests).")
@@ -157,6 +172,21 @@ def dilocox_config(args) -> DiLoCoXConfig:
         outer_momentum=args.dilocox_outer_momentum,
         nesterov=args.dilocox_nesterov,
         outer_timeout_s=args.dilocox_outer_timeout_s,
+    )
+
+
+def compression_config(args) -> CompressionConfig:
+    """The pseudo-gradient compression settings of a parsed command line."""
+    return CompressionConfig(
+        codec=args.dilocox_compression,
+        bits=args.dilocox_quant_bits,
+        block=args.dilocox_quant_block,
+        rank=args.dilocox_rank,
+        min_rank=args.dilocox_min_rank,
+        rank_energy=args.dilocox_rank_energy,
+        adaptive=args.dilocox_adaptive,
+        error_feedback=args.dilocox_error_feedback,
+        ef_decay=args.dilocox_ef_decay,
     )
 
 
@@ -290,6 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dilocox:
         try:
             dilocox_config(args).validate()
+            compression_config(args).validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
     return args

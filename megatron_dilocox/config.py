@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 SYNC_MODES = ("sync", "delay", "delay-naive")
+CODECS = ("none", "quantize", "lowrank", "lowrank-quantize")
 
 
 @dataclass
@@ -70,3 +71,51 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--dilocox-outer-timeout-s must be > 0, got {self.outer_timeout_s}"
             )
+
+
+@dataclass
+class CompressionConfig:
+    """How the pseudo-gradient is compressed for the cross-cluster exchange (``--dilocox-*``)."""
+
+    codec: str = "lowrank-quantize"
+    """``none``, ``quantize``, ``lowrank`` or ``lowrank-quantize``. ``--dilocox-compression``."""
+
+    bits: int = 4
+    """Bits per quantized value, 8 or 4. ``--dilocox-quant-bits``."""
+
+    block: int = 256
+    """Values per quantization block (one fp32 absmax scale each). ``--dilocox-quant-block``."""
+
+    rank: int = 8
+    """Low-rank (PowerSGD) rank of 2-D shards; the upper bound when adaptive. ``--dilocox-rank``."""
+
+    min_rank: int = 1
+    """Lower bound of the adaptive rank. ``--dilocox-min-rank``."""
+
+    rank_energy: float = 0.9
+    """Adaptive rank keeps the smallest rank holding this fraction of the previous round's
+    spectrum energy. ``--dilocox-rank-energy``."""
+
+    adaptive: bool = False
+    """Choose each matrix's rank every round from the spectrum. ``--dilocox-adaptive``."""
+
+    error_feedback: bool = False
+    """Keep what compression dropped and add it to the next round. ``--dilocox-error-feedback``."""
+
+    ef_decay: float = 1.0
+    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``."""
+
+    def validate(self) -> None:
+        """Raises ValueError with a one-line message naming the offending flag."""
+        if self.codec not in CODECS:
+            raise ValueError(f"--dilocox-compression must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"--dilocox-quant-bits must be 8 or 4, got {self.bits}")
+        if self.block < 2 or self.block % 2:
+            raise ValueError(f"--dilocox-quant-block must be an even number >= 2, got {self.block}")
+        if not 1 <= self.min_rank <= self.rank:
+            raise ValueError(f"need 1 <= --dilocox-min-rank <= --dilocox-rank, got {self.min_rank} and {self.rank}")
+        if not 0 < self.rank_energy <= 1:
+            raise ValueError(f"--dilocox-rank-energy must be in (0, 1], got {self.rank_energy}")
+        if not 0 <= self.ef_decay <= 1:
+            raise ValueError(f"--dilocox-ef-decay must be in [0, 1], got {self.ef_decay}")

@@ -8,11 +8,13 @@ refreshed from them exactly as megatron does after an optimizer step.
 import contextlib
 import hashlib
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
 from megatron_dilocox.topology import Topology, device
 
@@ -26,18 +28,19 @@ def main_params(optimizer) -> list[torch.Tensor]:
     return [p for opt in _leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
 
 
-def delayed_reducer(counter: ByteCounter, delay_s: float):
-    """The default reduction, made ``delay_s`` seconds slower (emulates a slow link)."""
-    def reduce(tensors, group):
+def _delayed(reduce, delay_s: float):
+    """``reduce`` made ``delay_s`` seconds slower (emulates a slow link)."""
+    def delayed(tensors, group):
         time.sleep(delay_s)
-        return allreduce_mean(tensors, group, counter)
-    return reduce
+        return reduce(tensors, group)
+    return delayed
 
 
 class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
-    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig, emulated_delay_s: float = 0.0):
+    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig,
+                 compression: CompressionConfig, seed: int = 0, emulated_delay_s: float = 0.0):
         self.optimizer = optimizer
         self.model = model
         self.topo = topo
@@ -45,8 +48,18 @@ class DiLoCoX:
         self.params = main_params(optimizer)
         self._check_identical_start()
         self.counter = ByteCounter()
-        reducer = delayed_reducer(self.counter, emulated_delay_s) if emulated_delay_s > 0 else None
-        self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reducer, counter=self.counter)
+        self.compressor = None
+        reduce = partial(allreduce_mean, counter=self.counter)
+        if compression.codec != "none":
+            self.compressor = reduce = CompressedReducer(
+                [p.shape for p in self.params], compression.codec, bits=compression.bits, rank=compression.rank,
+                block=compression.block, error_feedback=compression.error_feedback, counter=self.counter,
+                seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
+                energy=compression.rank_energy, ef_decay=compression.ef_decay)
+        if emulated_delay_s > 0:
+            reduce = _delayed(reduce, emulated_delay_s)
+        self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reduce, counter=self.counter)
+        self._round_start_time = time.perf_counter()
 
     def _check_identical_start(self):
         """Every replica must start from bit-identical weights (one hash exchange at start)."""
@@ -90,15 +103,29 @@ class DiLoCoX:
                    for opt in _leaf_optimizers(self.optimizer))
 
     def _record(self, stats, drain=False) -> dict:
-        return dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
-                    comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
-                    skipped=stats.skipped, drain=drain)
+        record = dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
+                      comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
+                      skipped=stats.skipped, drain=drain)
+        if self.compressor is not None and self.compressor.last_stats and stats.bytes_sent:
+            # Stats of the reduction applied at this call (in the delay modes: last round's).
+            last = self.compressor.last_stats
+            record.update(dense_bytes=last["dense_bytes"], compression_ratio=last["ratio"],
+                          rel_error=last["rel_error"], mean_rank=last["mean_rank"],
+                          codec_s=last["encode_s"] + last["decode_s"],
+                          residual_ratio=last.get("residual_ratio"))
+        return record
 
     def step(self, iteration: int) -> dict:
         """The round boundary after ``iteration``; returns the round's metrics record."""
+        compute_s = time.perf_counter() - self._round_start_time
         stats = self.sync.step(iteration)
         self._push_to_model()
-        return self._record(stats)
+        record = self._record(stats)
+        record["round_compute_s"] = compute_s
+        if "codec_s" in record:
+            record["codec_fraction"] = record["codec_s"] / compute_s
+        self._round_start_time = time.perf_counter()
+        return record
 
     def finish(self) -> dict | None:
         """Drains and applies the in-flight round, so the final model holds all work."""

@@ -95,6 +95,10 @@ class MetricsLogger:
             f" wait (s): {record['wait_s']:.3f} | pseudo-grad norm: {record['pseudo_grad_norm']:.4E} |"
             + (f" cross-cluster bytes between boundaries: {record['cross_cluster_bytes_between_boundaries']} |"
                if "cross_cluster_bytes_between_boundaries" in record else "")
+            + (f" dense bytes: {record['dense_bytes']} | compression: {record['compression_ratio']:.1f}x |"
+               f" rel. error: {record['rel_error']:.3f} | mean rank: {record['mean_rank']:.2f} |"
+               f" codec (s): {record['codec_s']:.3f} |"
+               if "compression_ratio" in record else "")
             + (" SKIPPED (non-finite) |" if record["skipped"] else ""))
         self._record(record)
 

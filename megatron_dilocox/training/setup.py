@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
-from megatron_dilocox.arguments import ConfigError, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
+from megatron_dilocox.arguments import ConfigError, compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
 from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
 from megatron_dilocox.topology import build_topology, init_distributed  # noqa: E402
 from megatron_dilocox.training.data import build_datasets  # noqa: E402
@@ -90,7 +90,8 @@ def setup(args):
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    dilocox = (DiLoCoX(optimizer, model, topo, dilocox_config(args), args.dilocox_emulated_delay_s)
+    dilocox = (DiLoCoX(optimizer, model, topo, dilocox_config(args), compression_config(args), args.seed,
+                       args.dilocox_emulated_delay_s)
                if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
     return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
