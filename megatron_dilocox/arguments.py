@@ -132,6 +132,10 @@ def _dilocox_args(parser):
                         f"which traffic is counted as cross-cluster, for comparisons.")
     g.add_argument("--dilocox-local-steps", type=int, default=defaults.local_steps,
                    help="H: inner steps per outer round.")
+    g.add_argument("--dilocox-min-local-steps", type=int, default=None, help="Lower bound of an adaptive H.")
+    g.add_argument("--dilocox-max-local-steps", type=int, default=None,
+                   help="Adapt H after every round (within these bounds) so that one round's exchange fits "
+                        "inside the next round's compute; H starts at --dilocox-local-steps.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
                    help="delay: one-step-delay overlap (default); sync: blocking DiLoCo; "
                         "delay-naive: ablation that drops fresh local progress (unstable).")
@@ -167,6 +171,8 @@ def dilocox_config(args) -> DiLoCoXConfig:
     return DiLoCoXConfig(
         clusters=args.clusters,
         local_steps=args.dilocox_local_steps,
+        min_local_steps=args.dilocox_min_local_steps,
+        max_local_steps=args.dilocox_max_local_steps,
         sync_mode=args.dilocox_sync_mode,
         outer_lr=args.dilocox_outer_lr,
         outer_momentum=args.dilocox_outer_momentum,

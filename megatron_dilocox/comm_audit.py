@@ -8,19 +8,24 @@ or peer leaves this rank's cluster. Calls from the DiLoCoX worker thread are cou
 and ``"outer"``, cross-cluster bytes must stay exactly zero.
 """
 
+import inspect
 import threading
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
-# collective -> keyword of its (first positional) tensor argument
-_TENSOR_CALLS = {
+# collective -> name of the argument holding what this rank sends
+_COLLECTIVES = {
     "all_reduce": "tensor",
     "broadcast": "tensor",
-    "all_gather_into_tensor": "input_tensor",
-    "reduce_scatter_tensor": "input",
     "reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input",
 }
 _P2P_CALLS = ("send", "recv", "isend", "irecv")
 
@@ -63,10 +68,12 @@ class CommAudit:
         with self._lock:
             self.bytes[(phase, "cross" if crosses else "intra")] += nbytes
 
-    def _wrap_tensor_call(self, fn, tensor_kw):
+    def _wrap_collective(self, fn, sent_param):
+        signature = inspect.signature(fn)
+
         def call(*args, **kwargs):
-            tensor = kwargs.get(tensor_kw, args[0] if args else None)
-            self._count(_nbytes(tensor), self._group_crosses(kwargs.get("group")))
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            self._count(_nbytes(bound.get(sent_param)), self._group_crosses(bound.get("group")))
             return fn(*args, **kwargs)
         return call
 
@@ -86,19 +93,10 @@ class CommAudit:
             return fn(tensor, *args, **kwargs)
         return call
 
-    def _wrap_list_call(self, fn):
-        # all_gather(tensor_list, tensor, group) / all_gather_object(list, obj, group) / ...
-        def call(*args, **kwargs):
-            group = kwargs.get("group", args[2] if len(args) > 2 else None)
-            self._count(_nbytes(args[1] if len(args) > 1 else None), self._group_crosses(group))
-            return fn(*args, **kwargs)
-        return call
-
     def install(self) -> "CommAudit":
-        wrappers = {name: self._wrap_tensor_call(getattr(dist, name), kw) for name, kw in _TENSOR_CALLS.items()}
+        wrappers = {name: self._wrap_collective(getattr(dist, name), sent)
+                    for name, sent in _COLLECTIVES.items() if hasattr(dist, name)}
         wrappers.update({name: self._wrap_p2p(getattr(dist, name)) for name in _P2P_CALLS})
-        for name in ("all_gather", "reduce_scatter"):
-            wrappers[name] = self._wrap_list_call(getattr(dist, name))
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(dist, name)
             setattr(dist, name, wrapper)

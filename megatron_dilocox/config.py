@@ -17,7 +17,16 @@ class DiLoCoXConfig:
     ``--dilocox-clusters``."""
 
     local_steps: int = 20
-    """Inner optimizer steps H between two outer synchronisations. ``--dilocox-local-steps``."""
+    """Inner optimizer steps H between two outer synchronisations (the first H when adaptive).
+    ``--dilocox-local-steps``."""
+
+    min_local_steps: int | None = None
+    """Lower bound of an adaptive H. ``--dilocox-min-local-steps``."""
+
+    max_local_steps: int | None = None
+    """Upper bound of an adaptive H; setting it turns adaptation on: after every round H becomes
+    the fewest steps whose compute covers the slowest measured exchange (with 20% margin), so one
+    round's communication hides inside the next round's training. ``--dilocox-max-local-steps``."""
 
     sync_mode: str = "delay"
     """Overlap policy at a round boundary. ``--dilocox-sync-mode``.
@@ -52,6 +61,16 @@ class DiLoCoXConfig:
             raise ValueError(f"--dilocox-clusters must be >= 1, got {self.clusters}")
         if self.local_steps < 1:
             raise ValueError(f"--dilocox-local-steps must be >= 1, got {self.local_steps}")
+        if self.max_local_steps is not None:
+            low = self.min_local_steps or 1
+            if not 1 <= low <= self.local_steps <= self.max_local_steps:
+                raise ValueError("need 1 <= --dilocox-min-local-steps <= --dilocox-local-steps <= "
+                                 f"--dilocox-max-local-steps, got {low}, {self.local_steps}, {self.max_local_steps}")
+            if self.sync_mode == "sync":
+                raise ValueError("--dilocox-max-local-steps adapts H to hide communication, which only the "
+                                 "delay modes overlap; --dilocox-sync-mode sync blocks on it")
+        elif self.min_local_steps is not None:
+            raise ValueError("--dilocox-min-local-steps needs --dilocox-max-local-steps (which turns adaptive H on)")
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(
                 f"--dilocox-sync-mode must be one of {', '.join(SYNC_MODES)}, got {self.sync_mode!r}"

@@ -17,6 +17,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", str(H), "--dilocox-compression", "none"]
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
 MODES = ("sync", "delay")
+# A reduction slowed to 3 s against steps of well under 0.6 s: H must grow to its bound of 6.
+ADAPTIVE_H = ["--dilocox-min-local-steps", "2", "--dilocox-max-local-steps", "6", "--dilocox-emulated-delay-s", "3"]
 COMPRESSED = ["--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-quant-bits", "4",
               "--dilocox-adaptive", "--dilocox-error-feedback"]
 
@@ -27,6 +29,7 @@ def runs(tmp_path_factory):
     specs = [{"name": f"{layout}_{mode}", "flags": MODEL + flags + ["--dilocox-sync-mode", mode]}
              for layout, flags in LAYOUTS.items() for mode in MODES]
     specs.append({"name": "compressed", "flags": MODEL + LAYOUTS["pp2"] + COMPRESSED})
+    specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
     (out / "spec.json").write_text(json.dumps(specs))
     torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")])
     refs = [{"name": mode, "flags": MODEL + ["--dilocox-sync-mode", mode]} for mode in MODES]
@@ -99,8 +102,11 @@ def test_compressed_rounds(runs):
     between boundaries, and each round sends far less than the dense fp32 shard."""
     infos = [json.loads((runs / f"compressed.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == ITERS // H for info in infos)
-    rounds = [r for r in read_jsonl(runs / "compressed.metrics.jsonl") if "outer_step" in r]
+    records = read_jsonl(runs / "compressed.metrics.jsonl")
+    rounds = [r for r in records if "outer_step" in r]
     assert all(r["cross_cluster_bytes_between_boundaries"] == 0 for r in rounds)
+    # The audit sees the codec's all-gathers too (the first round's payload left by iteration 6).
+    assert [r for r in records if "lm_loss" in r][-1]["cross_cluster_bytes"] >= rounds[1]["bytes_sent"] > 0
     applied = [r for r in rounds if r["bytes_sent"]]
     assert len(applied) == ITERS // H
     dense = infos[3]["outer_numel"] * 4
@@ -108,3 +114,11 @@ def test_compressed_rounds(runs):
         assert r["dense_bytes"] == dense
         assert r["bytes_sent"] < dense / 4 and r["compression_ratio"] > 4
         assert 0 < r["rel_error"] < 1 and 1 <= r["mean_rank"] <= 4
+
+
+def test_adaptive_local_steps(runs):
+    rounds = [r for r in read_jsonl(runs / "adaptive_h.metrics.jsonl") if "outer_step" in r and not r["drain"]]
+    # H starts at 3; the first round has nothing to measure; then the slow exchange pushes H to 6.
+    assert [(r["iteration"], r["local_steps"]) for r in rounds] == [(3, 3), (6, 6)]
+    infos = [json.loads((runs / f"adaptive_h.info.{rank}.json").read_text()) for rank in range(4)]
+    assert all(info["hash_checks"] == 2 for info in infos)

@@ -48,7 +48,7 @@ for entry in "${TABLE[@]}"; do
   python - "${entry%%=*}" "${entry#*=}" <<'PY'
 import json, sys
 name, path = sys.argv[1:]
-rounds = [json.loads(l) for l in open(path) if '"compression_ratio"' in l]
+rounds = [json.loads(l) for l in open(path) if '"codec_fraction"' in l]
 if not rounds:
     print(f"{name:<14} uncompressed"); sys.exit()
 mean = lambda k: sum(r[k] for r in rounds) / len(rounds)

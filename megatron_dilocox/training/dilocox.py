@@ -7,6 +7,7 @@ refreshed from them exactly as megatron does after an optimizer step.
 
 import contextlib
 import hashlib
+import math
 import time
 from functools import partial
 
@@ -60,6 +61,8 @@ class DiLoCoX:
             reduce = _delayed(reduce, emulated_delay_s)
         self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reduce, counter=self.counter)
         self._round_start_time = time.perf_counter()
+        self.local_steps = config.local_steps
+        self.next_boundary = self.local_steps
 
     def _check_identical_start(self):
         """Every replica must start from bit-identical weights (one hash exchange at start)."""
@@ -75,7 +78,20 @@ class DiLoCoX:
             raise RuntimeError(f"DiLoCoX replicas start from different weights: {everyone}")
 
     def is_boundary(self, iteration: int) -> bool:
-        return iteration % self.config.local_steps == 0
+        return iteration == self.next_boundary
+
+    def _adapt_local_steps(self, record: dict) -> None:
+        """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
+
+        Every rank of every cluster must decide alike, so the decision uses the maxima over the
+        world of the measured exchange time and time per step (one 16-byte reduction per round).
+        """
+        measured = torch.tensor([record["comm_s"], record["round_compute_s"] / self.local_steps],
+                                dtype=torch.float64, device=device())
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        comm_s, step_s = measured.tolist()
+        wanted = math.ceil(1.2 * comm_s / step_s) if step_s > 0 else self.local_steps
+        self.local_steps = min(max(wanted, self.config.min_local_steps or 1), self.config.max_local_steps)
 
     def _push_to_model(self):
         """Copies main params into the model weights (and all-gathers distributed shards)."""
@@ -124,6 +140,10 @@ class DiLoCoX:
         record["round_compute_s"] = compute_s
         if "codec_s" in record:
             record["codec_fraction"] = record["codec_s"] / compute_s
+        if self.config.max_local_steps is not None and stats.bytes_sent:
+            self._adapt_local_steps(record)
+        record["local_steps"] = self.local_steps
+        self.next_boundary = iteration + self.local_steps
         self._round_start_time = time.perf_counter()
         return record
 

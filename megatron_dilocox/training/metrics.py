@@ -93,6 +93,7 @@ class MetricsLogger:
             f" at iteration {record['iteration']:8d} |"
             f" cross-cluster bytes sent: {record['bytes_sent']:12d} | comm (s): {record['comm_s']:.3f} |"
             f" wait (s): {record['wait_s']:.3f} | pseudo-grad norm: {record['pseudo_grad_norm']:.4E} |"
+            + (f" next H: {record['local_steps']} |" if "local_steps" in record else "")
             + (f" cross-cluster bytes between boundaries: {record['cross_cluster_bytes_between_boundaries']} |"
                if "cross_cluster_bytes_between_boundaries" in record else "")
             + (f" dense bytes: {record['dense_bytes']} | compression: {record['compression_ratio']:.1f}x |"
