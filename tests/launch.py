@@ -29,3 +29,32 @@ def torchrun(nproc: int, script: str, args: list[str], timeout: int = 600, env=N
 
 def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_forked(worker, out: Path, nprocs: int = 2, timeout: float = 120):
+    """Runs ``worker(rank, port, out_dir)`` in ``nprocs`` processes forked after import (no
+    second torch import), then returns each rank's ``out/rank{r}.pt``. A worker reports failure
+    by writing ``out/rank{r}.err``; failures and hangs fail the test with the tracebacks."""
+    import multiprocessing
+    import time
+
+    import pytest
+    import torch
+
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, str(out))) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text() for f in sorted(out.glob("*.err"))]
+    codes = [p.exitcode for p in procs]
+    if errors or codes != [0] * nprocs:
+        pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
+    return [torch.load(out / f"rank{r}.pt") for r in range(nprocs)]

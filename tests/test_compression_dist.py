@@ -7,10 +7,7 @@ one byte of a received payload to play a corrupting link.
 """
 import hashlib
 import math
-import multiprocessing
 import os
-import socket
-import time
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
@@ -23,6 +20,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.compression import CompressedReducer, wire
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync
 from test_compression import header_bytes_formula
+from launch import run_forked
 
 SHAPES = [(48, 40), (40,), (3, 4, 5), (1, 90), (64, 24), (7,)]
 NUMEL = sum(math.prod(s) for s in SHAPES)
@@ -158,33 +156,10 @@ def _worker(rank, port, out_dir):
         raise
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Results of all scenarios, one dict per rank."""
-    out = tmp_path_factory.mktemp("compression")
-    ctx = multiprocessing.get_context("fork")  # fork after import: no second torch import
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 90
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(out.glob("*.err"))]
-    codes = [p.exitcode for p in procs]
-    if errors or codes != [0, 0]:
-        pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_forked(_worker, tmp_path_factory.mktemp("compression"), timeout=90)
 
 
 # -- checks ------------------------------------------------------------------------------------

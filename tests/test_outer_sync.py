@@ -8,9 +8,7 @@ Toy problem: every cluster runs H SGD steps on its own random quadratic
 import hashlib
 import io
 import math
-import multiprocessing
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -24,6 +22,7 @@ import torch.distributed as dist
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
+from launch import run_forked
 
 MODES = ("sync", "delay", "delay-naive")
 SHAPES = [(5, 7), (13,), (3, 4, 2), (129,)]
@@ -186,33 +185,10 @@ def _worker(rank, port, out_dir):
         raise
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Results of all C = 2 scenarios, one dict per rank."""
-    out = tmp_path_factory.mktemp("outer_sync")
-    ctx = multiprocessing.get_context("fork")  # fork after import: no second torch import
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(out.glob("*.err"))]
-    codes = [p.exitcode for p in procs]
-    if errors or codes != [0, 0]:
-        pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_forked(_worker, tmp_path_factory.mktemp("outer_sync"), timeout=120)
 
 
 # -- C = 2 over gloo ---------------------------------------------------------------------------
