@@ -31,10 +31,30 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def run_forked(worker, out: Path, nprocs: int = 2, timeout: float = 120):
-    """Runs ``worker(rank, port, out_dir)`` in ``nprocs`` processes forked after import (no
-    second torch import), then returns each rank's ``out/rank{r}.pt``. A worker reports failure
-    by writing ``out/rank{r}.err``; failures and hangs fail the test with the tracebacks."""
+def _forked_worker(rank, port, out_dir, scenarios):
+    import datetime
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        group = dist.new_group([0, 1])  # a dedicated group, as the outer loop gets
+        torch.save(scenarios(rank, group), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_forked(scenarios, out: Path, timeout: float = 120):
+    """Runs ``scenarios(rank, group) -> dict`` on 2 gloo ranks forked after import (no second
+    torch import; all scenarios share one launch) and returns each rank's dict. Failures and
+    hangs fail the test with the workers' tracebacks."""
     import multiprocessing
     import time
 
@@ -43,7 +63,7 @@ def run_forked(worker, out: Path, nprocs: int = 2, timeout: float = 120):
 
     ctx = multiprocessing.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, str(out))) for r in range(nprocs)]
+    procs = [ctx.Process(target=_forked_worker, args=(r, port, str(out), scenarios)) for r in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -55,6 +75,6 @@ def run_forked(worker, out: Path, nprocs: int = 2, timeout: float = 120):
             p.join()
     errors = [f.read_text() for f in sorted(out.glob("*.err"))]
     codes = [p.exitcode for p in procs]
-    if errors or codes != [0] * nprocs:
+    if errors or codes != [0, 0]:
         pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
-    return [torch.load(out / f"rank{r}.pt") for r in range(nprocs)]
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]

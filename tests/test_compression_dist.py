@@ -7,10 +7,7 @@ one byte of a received payload to play a corrupting link.
 """
 import hashlib
 import math
-import os
-import traceback
 from dataclasses import asdict
-from datetime import timedelta
 
 import pytest
 import torch
@@ -138,28 +135,17 @@ def scenario_outer_sync(rank, group, tap):
                 finite=bool(torch.isfinite(sync.base).all()))
 
 
-def _worker(rank, port, out_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=timedelta(seconds=60))
-        group = dist.new_group([0, 1])
-        tap = Wire()
-        results = {name: fn(rank, group, tap) for name, fn in (
-            ("codecs", scenario_codecs), ("tamper", scenario_tamper),
-            ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync))}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _scenarios(rank, group):
+    tap = Wire()
+    return {name: fn(rank, group, tap) for name, fn in (
+        ("codecs", scenario_codecs), ("tamper", scenario_tamper),
+        ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync))}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Results of all scenarios, one dict per rank."""
-    return run_forked(_worker, tmp_path_factory.mktemp("compression"), timeout=90)
+    return run_forked(_scenarios, tmp_path_factory.mktemp("compression"), timeout=90)
 
 
 # -- checks ------------------------------------------------------------------------------------

@@ -8,16 +8,12 @@ Toy problem: every cluster runs H SGD steps on its own random quadratic
 import hashlib
 import io
 import math
-import os
 import time
-import traceback
 import warnings
 from dataclasses import asdict
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
@@ -169,26 +165,15 @@ def scenario_resume(rank, group):
                 params=params)
 
 
-def _worker(rank, port, out_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=timedelta(seconds=60))
-        group = dist.new_group([0, 1])  # the dedicated outer group
-        results = dict(modes=scenario_modes(rank, group), nan=scenario_nan(rank, group),
-                       overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _scenarios(rank, group):
+    return dict(modes=scenario_modes(rank, group), nan=scenario_nan(rank, group),
+                overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group))
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Results of all C = 2 scenarios, one dict per rank."""
-    return run_forked(_worker, tmp_path_factory.mktemp("outer_sync"), timeout=120)
+    return run_forked(_scenarios, tmp_path_factory.mktemp("outer_sync"), timeout=120)
 
 
 # -- C = 2 over gloo ---------------------------------------------------------------------------

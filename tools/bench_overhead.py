@@ -16,7 +16,6 @@ import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from megatron_dilocox.arguments import parse_args
