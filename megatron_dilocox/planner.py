@@ -1,0 +1,405 @@
+"""Back-of-the-envelope planner: parameters, per-GPU memory, step time and DiLoCoX vs AllReduce.
+
+Pure arithmetic (no torch), used by ``tools/plan.py``. Every estimate is a documented formula,
+not a measurement; the only constants are the ones written below. Units: bytes, seconds,
+bandwidth in Gbit/s (1 Gbps = 1e9 / 8 bytes/s), memory in GiB (2**30 bytes).
+
+**Parameters** (megatron-core GPT, local layer spec, ``kv = kv_channels * query_groups`` with
+``kv_channels = h / heads``; ``b(x)`` is ``x`` with biases, 0 with ``--disable-bias-linear``;
+``ln`` = 2h for LayerNorm, h for RMSNorm)::
+
+    embedding   V_pad * h   (+ max_pos * h for learned absolute positions)
+    per layer   ln                          input layernorm
+                h * (h + 2 kv) + b(h + 2 kv)   QKV
+                h * h + b(h)                   attention output projection
+                ln                          pre-MLP layernorm
+                h * f * g + b(f * g)          fc1 (g = 2 with SwiGLU, else 1)
+                f * h + b(h)                   fc2
+    final       ln
+    output      V_pad * h if untied (tied: no new parameter; with PP > 1 the last stage holds a
+                copy of the embedding, counted in its memory and its pseudo-gradient, not here)
+
+``V_pad`` = vocab rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP).
+
+**Memory per GPU** (the largest pipeline stage; no allowance for the CUDA context, allocator
+fragmentation, NCCL buffers or logits, so keep some headroom):
+
+* weights: 2 bytes/param with ``--bf16``, else 4;
+* grads: 4 bytes/param (fp32 main-grad buffer of megatron DDP);
+* inner AdamW: 12 bytes/param with bf16 (fp32 main param + 2 moments), 8 without; divided by
+  DP_in with ``--use-distributed-optimizer``;
+* outer DiLoCoX state: 8 bytes/param (fp32 base + momentum) of the rank's outer shard (the
+  distributed optimizer's shard, i.e. / DP_in, when it is used); 0 on the GPU with
+  ``--dilocox-offload-outer-state``;
+* activations (Korthikanti et al. 2022, 16-bit, no sequence parallel), per layer and
+  micro-batch: ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes, which is ``s b h (34 + 5 a s / h)``
+  at t = 1; times the layers of a stage and the micro-batches in flight on the first stage with
+  1F1B, ``min(PP, m)``. With full recompute only the layer inputs ``2 s b h`` are kept per layer
+  and micro-batch, plus one layer's full activations for the recompute itself. Without ``--bf16``
+  activations are doubled.
+
+**Step time** (identical inner step for both methods; one cluster processes global_batch / C
+samples per step on its G GPUs)::
+
+    compute = 6 N tokens_cluster / (G * tflops)  * (4/3 with full recompute)
+              * (1 + (PP - 1) / m)                 pipeline bubble of 1F1B
+    intra   = 2 (DP_in - 1) / DP_in * 4 N_rank / intra_bw     (no overlap with compute)
+
+**Cross-cluster link.** ``--inter-bandwidth-gbps`` is the link between two clusters, shared by
+all M = TP PP DP_in ranks of a cluster (``--inter-link per-rank`` gives every rank its own link
+instead). Per-rank bytes below are what one rank sends; link time = (sum over the cluster's
+ranks) / bandwidth.
+
+* AllReduce baseline: gradients are reduced over all C DP_in replicas every step,
+  hierarchically (reduce-scatter inside the cluster, all-reduce across clusters, all-gather inside),
+  so each rank sends ``2 (C - 1) / C * 4 N_rank / DP_in`` bytes of fp32 gradient across clusters
+  per step, i.e. the whole model's fp32 gradient crosses once each way. Not overlapped with
+  compute (stated assumption; the cross leg is far slower than the backward pass anyway).
+* DiLoCoX: once per round of H steps each rank exchanges its outer shard's payload, from the
+  codec formula of ``outer/compression/reducer.py`` (40-byte header per exchange, blocks of 256
+  values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D dense).
+  ``none`` is an fp32 ring all-reduce (``2 (C - 1) / C * payload`` on the wire); the codecs
+  all-gather (``(C - 1) * payload``). With ``delay`` mode the exchange overlaps the next round:
+  round time = max(H * step, exchange); ``sync`` mode adds them. Codec compute (measured 1.3-2.1%
+  of a round's compute on CPU) is ignored. With the distributed optimizer the outer shard of a
+  matrix is modelled as (m / DP_in, n); the real shard is a flat range cut across tensors.
+* Throughput ratio = (H * AllReduce step) / DiLoCoX round time, at equal tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+HEADER_BYTES = 40
+"""Wire header per compressed exchange (``outer/compression/wire.py``)."""
+HANDSHAKE_BYTES = 32
+"""Extra bytes of the codec handshake at the first round (and after a resume); not per round."""
+GIB = 2**30
+
+
+def gbps_to_bytes_per_s(gbps: float) -> float:
+    return gbps * 1e9 / 8
+
+
+@dataclass
+class ModelShape:
+    """A megatron-core GPT (local spec), in Megatron-LM flag terms."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int | None = None  # default 4 h
+    num_query_groups: int | None = None  # default: one per head
+    max_position_embeddings: int | None = None  # default seq_length
+    position_embedding_type: str = "learned_absolute"
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    disable_bias_linear: bool = False
+    normalization: str = "LayerNorm"
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden size {self.hidden_size} not divisible by heads {self.num_attention_heads}")
+
+
+def padded_vocab(vocab: int, multiple_of: int, tp: int) -> int:
+    m = math.lcm(multiple_of, tp)
+    return -(-vocab // m) * m
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as a rank holds it: (out, in) for matrices, (n,) for vectors."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def layer_tensors(m: ModelShape, tp: int = 1) -> list[Tensor]:
+    """Parameters of one transformer layer on one TP rank (column-parallel outputs / tp)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    kv = (h // m.num_attention_heads) * m.num_query_groups
+    qkv_out, fc1_out = h + 2 * kv, f * (2 if m.swiglu else 1)
+    bias = not m.disable_bias_linear
+
+    def ln(prefix):
+        ts = [Tensor(prefix + ".weight", (h,))]
+        return ts + ([Tensor(prefix + ".bias", (h,))] if m.normalization == "LayerNorm" else [])
+
+    ts = ln("input_layernorm") + [Tensor("qkv.weight", (qkv_out // tp, h))]
+    ts += [Tensor("qkv.bias", (qkv_out // tp,))] if bias else []
+    ts += [Tensor("proj.weight", (h, h // tp))] + ([Tensor("proj.bias", (h,))] if bias else [])
+    ts += ln("pre_mlp_layernorm") + [Tensor("fc1.weight", (fc1_out // tp, h))]
+    ts += [Tensor("fc1.bias", (fc1_out // tp,))] if bias else []
+    ts += [Tensor("fc2.weight", (h, f // tp))] + ([Tensor("fc2.bias", (h,))] if bias else [])
+    return ts
+
+
+def stage_tensors(m: ModelShape, tp: int, pp: int, stage: int) -> list[Tensor]:
+    """Parameters of one (TP rank, pipeline stage); even split of layers over stages."""
+    if m.num_layers % pp:
+        raise ValueError(f"--num-layers {m.num_layers} not divisible by --pipeline-model-parallel-size {pp}")
+    h, v = m.hidden_size, padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    ts: list[Tensor] = []
+    if stage == 0:
+        ts.append(Tensor("word_embeddings", (v // tp, h)))
+        if m.position_embedding_type == "learned_absolute":
+            ts.append(Tensor("position_embeddings", (m.max_position_embeddings, h)))
+    for _ in range(m.num_layers // pp):
+        ts += layer_tensors(m, tp)
+    if stage == pp - 1:
+        ts.append(Tensor("final_layernorm.weight", (h,)))
+        if m.normalization == "LayerNorm":
+            ts.append(Tensor("final_layernorm.bias", (h,)))
+        if m.untie_embeddings_and_output_weights or pp > 1:  # tied + PP>1: a copy on the last stage
+            ts.append(Tensor("output_layer", (v // tp, h)))
+    return ts
+
+
+def param_count(m: ModelShape, tp: int = 1) -> int:
+    """Unique parameters of the model (the formula of the module docstring)."""
+    h, f, L = m.hidden_size, m.ffn_hidden_size, m.num_layers
+    v = padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    kv = (h // m.num_attention_heads) * m.num_query_groups
+    g = 2 if m.swiglu else 1
+    ln = 2 * h if m.normalization == "LayerNorm" else h
+    b = 0 if m.disable_bias_linear else 1
+    per_layer = (ln + h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h + ln
+                 + h * f * g + b * f * g + f * h + b * h)
+    emb = v * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
+    out = v * h if m.untie_embeddings_and_output_weights else 0
+    return emb + L * per_layer + ln + out
+
+
+# -- codec bytes (reducer.py's formula) ------------------------------------------------------
+
+def quantized_bytes(n: int, bits: int, block: int = 256) -> int:
+    """S(n): fp32 (bits 32) or blockwise quantized with one fp32 scale per block."""
+    if bits == 32:
+        return 4 * n
+    return math.ceil(n / block) * (block * bits // 8 + 4)
+
+
+def lowrank_saves(m: int, n: int, rank: int) -> bool:
+    return (m + n) * min(rank, m, n) < m * n
+
+
+def codec_bytes(shapes: list[tuple[int, ...]], codec: str, bits: int = 8, rank: int = 8,
+                block: int = 256) -> int:
+    """Bytes one rank sends per round for a shard of ``shapes`` (no handshake)."""
+    numel = sum(math.prod(s) for s in shapes)
+    if codec == "none":
+        return 4 * numel
+    b = bits if codec in ("quantize", "lowrank-quantize") else 32
+    if codec == "quantize":
+        return HEADER_BYTES + sum(quantized_bytes(math.prod(s), b, block) for s in shapes)
+    if codec not in ("lowrank", "lowrank-quantize"):
+        raise ValueError(f"unknown codec {codec!r}")
+    p = q = dense = 0
+    for s in shapes:
+        mm = s[0] if len(s) >= 2 else 0
+        nn = math.prod(s) // mm if mm else 0
+        if mm and lowrank_saves(mm, nn, rank):
+            r = min(rank, mm, nn)
+            p += quantized_bytes(mm * r, b, block)
+            q += quantized_bytes(nn * r, b, block)
+        elif math.prod(s):
+            dense += quantized_bytes(math.prod(s), b, block)
+    return 2 * HEADER_BYTES + p + dense + q
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    """Samples per step over all clusters (Megatron's meaning: all data-parallel ranks)."""
+    use_distributed_optimizer: bool = False
+    bf16: bool = False
+    recompute_full: bool = False
+
+
+@dataclass
+class DiLoCoXSettings:
+    clusters: int = 2
+    local_steps: int = 20
+    compression: str = "lowrank-quantize"
+    quant_bits: int = 8
+    rank: int = 8
+    block: int = 256
+    sync_mode: str = "delay"
+    offload_outer_state: bool = False
+
+
+@dataclass
+class Machine:
+    gpu_memory_gib: float = 80.0
+    gpu_tflops: float = 400.0
+    """Achievable dense bf16 TFLOP/s per GPU (not the datasheet peak)."""
+    gpus_per_cluster: int = 8
+    intra_bandwidth_gbps: float = 400.0
+    """Per-GPU bandwidth of the data-parallel all-reduce inside a cluster."""
+    inter_bandwidth_gbps: float = 1.0
+    inter_link: str = "shared"
+    """``shared``: one link between clusters for all ranks; ``per-rank``: one per rank."""
+
+
+@dataclass
+class Plan:
+    params: int
+    params_per_rank: int
+    outer_shard_params: int
+    dp_in: int
+    num_microbatches: int
+    memory: dict[str, float] = field(default_factory=dict)  # bytes
+    gpu_bytes: float = 0.0
+    fits: bool = False
+    step: dict[str, float] = field(default_factory=dict)  # seconds
+    allreduce: dict[str, float] = field(default_factory=dict)
+    dilocox: dict[str, float] = field(default_factory=dict)
+    ratio: float = 0.0
+
+
+def activation_bytes(m: ModelShape, lay: Layout) -> tuple[float, float, int]:
+    """(full activations of one layer, kept layer input, layers per stage), per micro-batch."""
+    s, b, h, a, t = m.seq_length, lay.micro_batch_size, m.hidden_size, m.num_attention_heads, lay.tp
+    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    per_stage = m.num_layers // lay.pp
+    scale = 1 if lay.bf16 else 2
+    return scale * full_layer, scale * 2 * s * b * h, per_stage
+
+
+def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
+    tp, pp, c = lay.tp, lay.pp, d.clusters
+    if mach.gpus_per_cluster % (tp * pp):
+        raise ValueError(f"--gpus-per-cluster {mach.gpus_per_cluster} not divisible by TP x PP = {tp * pp}")
+    dp_in = mach.gpus_per_cluster // (tp * pp)
+    per_step = lay.micro_batch_size * dp_in * c
+    if lay.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {lay.global_batch_size} not divisible by micro batch x "
+                         f"DP_in x clusters = {per_step}")
+    nmb = lay.global_batch_size // per_step
+
+    stages = [stage_tensors(m, tp, pp, k) for k in range(pp)]
+    stage_numel = [sum(t.numel for t in ts) for ts in stages]
+    n_rank = max(stage_numel)
+    shard_div = dp_in if lay.use_distributed_optimizer else 1
+    n_outer = n_rank / shard_div
+    p = Plan(params=param_count(m, tp), params_per_rank=n_rank, outer_shard_params=math.ceil(n_outer),
+             dp_in=dp_in, num_microbatches=nmb)
+
+    full_layer, inputs, per_stage = activation_bytes(m, lay)
+    in_flight = min(pp, nmb)
+    if lay.recompute_full:
+        act = inputs * per_stage * in_flight + full_layer
+    else:
+        act = full_layer * per_stage * in_flight
+    adam = (12 if lay.bf16 else 8) * n_rank / (dp_in if lay.use_distributed_optimizer else 1)
+    p.memory = dict(
+        weights=(2 if lay.bf16 else 4) * n_rank, grads=4 * n_rank, inner_optimizer=adam,
+        outer_state=0.0 if d.offload_outer_state else 8 * n_outer, activations=act,
+    )
+    p.gpu_bytes = sum(p.memory.values())
+    p.fits = p.gpu_bytes <= mach.gpu_memory_gib * GIB
+
+    intra_bw, inter_bw = gbps_to_bytes_per_s(mach.intra_bandwidth_gbps), gbps_to_bytes_per_s(mach.inter_bandwidth_gbps)
+    tokens_cluster = lay.global_batch_size * m.seq_length / c
+    compute = 6 * p.params * tokens_cluster / (mach.gpus_per_cluster * mach.gpu_tflops * 1e12)
+    if lay.recompute_full:
+        compute *= 4 / 3
+    bubble = (pp - 1) / nmb
+    intra = 2 * (dp_in - 1) / dp_in * 4 * n_rank / intra_bw
+    step = compute * (1 + bubble) + intra
+    p.step = dict(compute=compute, bubble_factor=bubble, intra_allreduce=intra, total=step,
+                  tokens_per_step=lay.global_batch_size * m.seq_length)
+
+    ranks_on_link = mach.gpus_per_cluster if mach.inter_link == "shared" else 1
+    # AllReduce: per rank, its 1/DP_in piece of the fp32 gradient, all-reduced across clusters.
+    ar_rank = [2 * (c - 1) / c * 4 * n / dp_in for n in stage_numel]
+    ar_link = sum(ar_rank) * tp * dp_in if ranks_on_link > 1 else max(ar_rank)
+    ar_time = ar_link / inter_bw
+    p.allreduce = dict(bytes_per_rank_per_step=max(ar_rank), link_bytes_per_step=ar_link,
+                       comm=ar_time, step=step + ar_time)
+
+    # DiLoCoX: payload of each stage's outer shard.
+    def shard(ts):
+        out = []
+        for t in ts:
+            if shard_div > 1:
+                out.append((math.ceil(t.shape[0] / shard_div),) + t.shape[1:])
+            else:
+                out.append(t.shape)
+        return out
+
+    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block) for ts in stages]
+    wire = (lambda x: 2 * (c - 1) / c * x) if d.compression == "none" else (lambda x: (c - 1) * x)
+    sent = [wire(x) for x in payload]
+    dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)
+    exchange = dl_link / inter_bw
+    h_steps = d.local_steps
+    compute_round = h_steps * step
+    rnd = max(compute_round, exchange) if d.sync_mode != "sync" else compute_round + exchange
+    p.dilocox = dict(payload_per_rank=max(payload), sent_per_rank_per_round=max(sent),
+                     bytes_per_rank_per_step=max(sent) / h_steps, link_bytes_per_round=dl_link,
+                     exchange=exchange, round_compute=compute_round, round=rnd,
+                     step=rnd / h_steps, hidden=float(exchange <= compute_round),
+                     dense_bytes=4 * math.ceil(n_outer))
+    p.ratio = h_steps * p.allreduce["step"] / rnd
+    return p
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= div:
+            return f"{x / div:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
+
+
+def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> str:
+    """The plan as text, one figure a line."""
+    L = [
+        f"parameters: {p.params:,} ({p.params / 1e9:.3f} B); padded vocab "
+        f"{padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, lay.tp):,}",
+        f"layout: {d.clusters} clusters x (TP {lay.tp} x PP {lay.pp} x DP_in {p.dp_in}) = "
+        f"{d.clusters * mach.gpus_per_cluster} GPUs; {p.num_microbatches} micro-batches per step",
+        f"parameters per GPU (largest stage): {p.params_per_rank:,}; outer shard {p.outer_shard_params:,}",
+        "memory per GPU:",
+    ]
+    L += [f"  {k:<16} {_fmt_bytes(v):>14}" for k, v in p.memory.items()]
+    L += [f"  {'total':<16} {_fmt_bytes(p.gpu_bytes):>14} of {mach.gpu_memory_gib:g} GiB: "
+          f"{'fits' if p.fits else 'DOES NOT FIT'} (no allowance for context/fragmentation)"]
+    s = p.step
+    L += [
+        f"step: compute {_fmt_s(s['compute'])} x (1 + bubble {s['bubble_factor']:.3f}) + intra-cluster "
+        f"all-reduce {_fmt_s(s['intra_allreduce'])} = {_fmt_s(s['total'])} ({s['tokens_per_step']:,.0f} tokens)",
+        f"AllReduce baseline: {_fmt_bytes(p.allreduce['bytes_per_rank_per_step'])} per rank per step across "
+        f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
+        f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, rank {d.rank}, H {d.local_steps}, {d.sync_mode}): "
+        f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
+        f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "
+        f"per rank per step",
+        f"  exchange {_fmt_s(p.dilocox['exchange'])} vs round compute {_fmt_s(p.dilocox['round_compute'])}"
+        f" ({'hidden' if p.dilocox['hidden'] else 'NOT hidden'}) -> round {_fmt_s(p.dilocox['round'])}",
+        f"throughput DiLoCoX / AllReduce: {p.ratio:,.1f}x",
+    ]
+    return "\n".join(L)

@@ -1,0 +1,107 @@
+"""Planner arithmetic (megatron_dilocox/planner.py, tools/plan.py) against hand sums and measurements."""
+import math
+
+from megatron_dilocox import planner as pl
+
+# The quickstart model (examples/quickstart_gpt.sh): 4 layers, hidden 256, 4 heads, ffn 4h,
+# seq 128 with learned positions, vocab 4096 (already a multiple of 128), tied output.
+QS = dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=4096, seq_length=128)
+
+
+def test_quickstart_param_count_by_hand():
+    h, f, v = 256, 1024, 4096
+    layer = (2 * h                      # input layernorm
+             + h * 3 * h + 3 * h        # QKV + bias
+             + h * h + h                # projection + bias
+             + 2 * h                    # pre-MLP layernorm
+             + h * f + f                # fc1 + bias
+             + f * h + h)               # fc2 + bias
+    assert layer == 789_760
+    total = v * h + 128 * h + 4 * layer + 2 * h
+    assert total == 4_240_896
+    assert pl.param_count(pl.ModelShape(**QS)) == total
+    # Each stage's tensors add up: PP2 = first stage (embeddings + 2 layers) + last (2 layers + LN + tied copy).
+    m = pl.ModelShape(**QS)
+    stages = [sum(t.numel for t in pl.stage_tensors(m, 1, 2, k)) for k in range(2)]
+    assert stages[0] + stages[1] - v * h == total
+
+
+def test_swiglu_untied_gqa_vocab_padding():
+    m = pl.ModelShape(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, vocab_size=1000,
+                      seq_length=16, ffn_hidden_size=96, swiglu=True, untie_embeddings_and_output_weights=True,
+                      position_embedding_type="rope")
+    h, kv, f = 64, 8 * 2, 96
+    v = pl.padded_vocab(1000, 128, 3)
+    assert v == 1152  # lcm(128, 3) = 384
+    layer = 2 * h + h * (h + 2 * kv) + (h + 2 * kv) + h * h + h + 2 * h + h * 2 * f + 2 * f + f * h + h
+    assert pl.param_count(m, tp=3) == v * h + 2 * layer + 2 * h + v * h
+    assert sum(t.numel for t in pl.layer_tensors(m)) == layer
+
+
+def test_codec_bytes_match_measured_quickstart_last_stage():
+    """docs/compression.md: last pipeline stage of the quickstart model, 2 clusters x PP2."""
+    shapes = [t.shape for t in pl.stage_tensors(pl.ModelShape(**QS), tp=1, pp=2, stage=1)]
+    assert sum(math.prod(s) for s in shapes) == 2_628_608
+    assert pl.codec_bytes(shapes, "none") == 10_514_432
+    # Steady-state rounds in runs/compression/*.jsonl send exactly these bytes; the docs table
+    # reports ceil((10 rounds + 32 handshake bytes) / 10): 55,524 and 109,284.
+    per_round = {(4, "lowrank-quantize"): 55_520, (8, "lowrank-quantize"): 109_280,
+                 (32, "lowrank"): 430_160, (8, "quantize"): 2_669_720, (4, "quantize"): 1_355_416}
+    docs = {(4, "lowrank-quantize"): 55_524, (8, "lowrank-quantize"): 109_284,
+            (32, "lowrank"): 430_164, (8, "quantize"): 2_669_724, (4, "quantize"): 1_355_420}
+    for (bits, codec), expected in per_round.items():
+        got = pl.codec_bytes(shapes, codec, bits=bits, rank=8)
+        assert got == expected, (codec, bits)
+        assert math.ceil((10 * got + pl.HANDSHAKE_BYTES) / 10) == docs[bits, codec]
+
+
+def test_memory_arithmetic_small_case():
+    m = pl.ModelShape(**QS)
+    lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, use_distributed_optimizer=True, bf16=True)
+    d = pl.DiLoCoXSettings(clusters=2, local_steps=20)
+    mach = pl.Machine(gpus_per_cluster=4, gpu_memory_gib=1)
+    p = pl.plan(m, lay, d, mach)
+    n = 1_048_576 + 32_768 + 2 * 789_760  # first stage is the larger one
+    assert p.dp_in == 2 and p.num_microbatches == 2 and p.params_per_rank == n
+    assert p.memory["weights"] == 2 * n and p.memory["grads"] == 4 * n
+    assert p.memory["inner_optimizer"] == 12 * n / 2
+    assert p.memory["outer_state"] == 8 * n / 2
+    s, b, h, a = 128, 4, 256, 4
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    assert p.memory["activations"] == per_layer * 2 * 2  # 2 layers/stage x min(PP, m) = 2 in flight
+    assert p.fits
+    off = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, offload_outer_state=True), mach)
+    assert off.memory["outer_state"] == 0
+    rec = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, bf16=True,
+                               recompute_full=True), d, mach)
+    assert rec.memory["activations"] == 2 * s * b * h * 2 * 2 + per_layer
+    assert rec.step["compute"] == p.step["compute"] * 4 / 3
+
+
+def test_step_and_ratio_arithmetic():
+    m = pl.ModelShape(**QS)
+    lay = pl.Layout(tp=1, pp=1, micro_batch_size=1, global_batch_size=4)
+    mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=8.0)
+    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none")
+    p = pl.plan(m, lay, d, mach)
+    n = p.params_per_rank
+    compute = 6 * p.params * (4 * 128 / 2) / (2 * 1e12)
+    assert math.isclose(p.step["compute"], compute)
+    assert math.isclose(p.step["intra_allreduce"], 2 * 0.5 * 4 * n / 1e9)
+    # AllReduce: each rank sends 2(C-1)/C of its 1/DP_in gradient piece; 2 ranks share the link.
+    assert math.isclose(p.allreduce["comm"], 2 * (1 * 4 * n / 2) / 1e9)
+    assert math.isclose(p.dilocox["exchange"], 2 * (1 * 4 * n) / 1e9)
+    assert math.isclose(p.ratio, 10 * p.allreduce["step"] / max(10 * p.step["total"], p.dilocox["exchange"]))
+
+
+def test_cli_quickstart_and_preset(capsys):
+    import tools.plan as cli
+    assert cli.main(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+                     "--vocab-size", "4096", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "4",
+                     "--global-batch-size", "16", "--dilocox-clusters", "2", "--gpus-per-cluster", "2"]) == 0
+    assert "parameters: 4,240,896" in capsys.readouterr().out
+    assert cli.main(["--preset", "paper-107b"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "paper reports: 357x" in out
+    p = pl.plan(*cli.configs(cli.resolve(["--preset", "paper-107b"])))
+    assert 100e9 < p.params < 110e9 and p.fits
