@@ -40,10 +40,9 @@ def _delayed(reduce, delay_s: float):
 class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
-    def __init__(self, optimizer, model, topo: Topology, config: DiLoCoXConfig,
+    def __init__(self, optimizer, topo: Topology, config: DiLoCoXConfig,
                  compression: CompressionConfig, seed: int = 0, emulated_delay_s: float = 0.0):
         self.optimizer = optimizer
-        self.model = model
         self.topo = topo
         self.config = config
         self.params = main_params(optimizer)

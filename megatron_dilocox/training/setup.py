@@ -90,7 +90,7 @@ def setup(args):
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    dilocox = (DiLoCoX(optimizer, model, topo, dilocox_config(args), compression_config(args), args.seed,
+    dilocox = (DiLoCoX(optimizer, topo, dilocox_config(args), compression_config(args), args.seed,
                        args.dilocox_emulated_delay_s)
                if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
