@@ -70,8 +70,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-HEADER_BYTES = 40
-"""Wire header per compressed exchange (``outer/compression/wire.py``)."""
+from megatron_dilocox.outer.compression.lowrank import saves_bytes
+from megatron_dilocox.outer.compression.quantize import nbytes
+from megatron_dilocox.outer.compression.wire import HEADER_BYTES
 HANDSHAKE_BYTES = 32
 """Extra bytes of the codec handshake at the first round (and after a resume); not per round."""
 GIB = 2**30
@@ -188,13 +189,7 @@ def param_count(m: ModelShape, tp: int = 1) -> int:
 
 def quantized_bytes(n: int, bits: int, block: int = 256) -> int:
     """S(n): fp32 (bits 32) or blockwise quantized with one fp32 scale per block."""
-    if bits == 32:
-        return 4 * n
-    return math.ceil(n / block) * (block * bits // 8 + 4)
-
-
-def lowrank_saves(m: int, n: int, rank: int) -> bool:
-    return (m + n) * min(rank, m, n) < m * n
+    return 4 * n if bits == 32 else nbytes(n, bits, block)
 
 
 def codec_bytes(shapes: list[tuple[int, ...]], codec: str, bits: int = 8, rank: int = 8,
@@ -212,7 +207,7 @@ def codec_bytes(shapes: list[tuple[int, ...]], codec: str, bits: int = 8, rank: 
     for s in shapes:
         mm = s[0] if len(s) >= 2 else 0
         nn = math.prod(s) // mm if mm else 0
-        if mm and lowrank_saves(mm, nn, rank):
+        if mm and saves_bytes(mm, nn, rank):
             r = min(rank, mm, nn)
             p += quantized_bytes(mm * r, b, block)
             q += quantized_bytes(nn * r, b, block)
