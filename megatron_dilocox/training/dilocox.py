@@ -1,8 +1,7 @@
 """Connects megatron-core's optimizer to the DiLoCoX outer loop (:mod:`megatron_dilocox.outer`).
 
 The outer loop works on the inner optimizer's fp32 main params (for the distributed optimizer:
-this rank's shard of them). After it writes them, the model's (possibly bf16) weights are
-refreshed from them exactly as megatron does after an optimizer step.
+this rank's shard of them, see :mod:`~megatron_dilocox.training.main_params`).
 """
 
 import contextlib
@@ -18,15 +17,7 @@ from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
 from megatron_dilocox.topology import Topology, device
-
-
-def _leaf_optimizers(optimizer):
-    return getattr(optimizer, "chained_optimizers", [optimizer])
-
-
-def main_params(optimizer) -> list[torch.Tensor]:
-    """The fp32 params the inner optimizer updates (megatron swaps them into param_groups)."""
-    return [p for opt in _leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
+from megatron_dilocox.training.main_params import main_params, push_to_model, uses_distributed_optimizer
 
 
 def _delayed(reduce, delay_s: float):
@@ -92,30 +83,17 @@ class DiLoCoX:
         wanted = math.ceil(1.2 * comm_s / step_s) if step_s > 0 else self.local_steps
         self.local_steps = min(max(wanted, self.config.min_local_steps or 1), self.config.max_local_steps)
 
-    def _push_to_model(self):
-        """Copies main params into the model weights (and all-gathers distributed shards)."""
-        for opt in _leaf_optimizers(self.optimizer):
-            if hasattr(opt, "_copy_main_params_to_model_params"):
-                opt._copy_main_params_to_model_params()
-            if getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer:
-                for chunk in opt.model_chunks:
-                    chunk.start_param_sync(force_sync=True)
-
     def _norm(self, sq: float) -> float:
         """Global pseudo-gradient norm: sums the per-rank squares over this rank's cluster.
 
         Parameters replicated across tensor-parallel ranks (norms, biases) count once per TP rank.
         """
-        group = self.topo.cluster_group if self._distributed_optimizer() else self.topo.pg_collection.mp
+        group = self.topo.cluster_group if uses_distributed_optimizer(self.optimizer) else self.topo.pg_collection.mp
         total = torch.tensor([sq], dtype=torch.float64, device=device())
         dist.all_reduce(total, group=group)
-        if not self._distributed_optimizer():
+        if not uses_distributed_optimizer(self.optimizer):
             total /= self.topo.inner_dp_size
         return float(total.sqrt())
-
-    def _distributed_optimizer(self) -> bool:
-        return any(getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer
-                   for opt in _leaf_optimizers(self.optimizer))
 
     def _record(self, stats, drain=False) -> dict:
         record = dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
@@ -134,7 +112,7 @@ class DiLoCoX:
         """The round boundary after ``iteration``; returns the round's metrics record."""
         compute_s = time.perf_counter() - self._round_start_time
         stats = self.sync.step(iteration)
-        self._push_to_model()
+        push_to_model(self.optimizer)
         record = self._record(stats)
         record["round_compute_s"] = compute_s
         if "codec_s" in record:
@@ -149,7 +127,7 @@ class DiLoCoX:
     def finish(self) -> dict | None:
         """Drains and applies the in-flight round, so the final model holds all work."""
         stats = self.sync.finish()
-        self._push_to_model()
+        push_to_model(self.optimizer)
         self.sync.close()
         return None if stats is None else self._record(stats, drain=True)
 
@@ -160,11 +138,11 @@ class DiLoCoX:
         with torch.no_grad():
             for p, b in zip(self.params, self.sync.base_views):
                 p.copy_(b)
-        self._push_to_model()
+        push_to_model(self.optimizer)
         try:
             yield
         finally:
             with torch.no_grad():
                 for p, s in zip(self.params, saved):
                     p.copy_(s)
-            self._push_to_model()
+            push_to_model(self.optimizer)

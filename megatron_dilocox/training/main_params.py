@@ -1,0 +1,33 @@
+"""The inner optimizer's fp32 main params: what the outer loop and checkpoints read and write.
+
+megatron-core keeps the params its optimizer updates (fp32 copies for bf16 models; for the
+distributed optimizer, this rank's shard of them) in the optimizer's ``param_groups``. After
+writing them, :func:`push_to_model` refreshes the model weights exactly as megatron does after
+an optimizer step.
+"""
+
+import torch
+
+
+def leaf_optimizers(optimizer) -> list:
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def main_params(optimizer) -> list[torch.Tensor]:
+    """The fp32 params the inner optimizer updates, in a fixed order."""
+    return [p for opt in leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
+
+
+def uses_distributed_optimizer(optimizer) -> bool:
+    return any(getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer
+               for opt in leaf_optimizers(optimizer))
+
+
+def push_to_model(optimizer) -> None:
+    """Copies main params into the model weights (and all-gathers distributed shards)."""
+    for opt in leaf_optimizers(optimizer):
+        if hasattr(opt, "_copy_main_params_to_model_params"):
+            opt._copy_main_params_to_model_params()
+        if getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer:
+            for chunk in opt.model_chunks:
+                chunk.start_param_sync(force_sync=True)
