@@ -28,9 +28,10 @@ fragmentation, NCCL buffers or logits, so keep some headroom):
 * grads: 4 bytes/param (fp32 main-grad buffer of megatron DDP);
 * inner AdamW: 12 bytes/param with bf16 (fp32 main param + 2 moments), 8 without; divided by
   DP_in with ``--use-distributed-optimizer``;
-* outer DiLoCoX state: 8 bytes/param (fp32 base + momentum) of the rank's outer shard (the
-  distributed optimizer's shard, i.e. / DP_in, when it is used); 0 on the GPU with
-  ``--dilocox-offload-outer-state``;
+* outer DiLoCoX state: ``OUTER_BYTES_PER_PARAM`` (20 bytes/param in delay mode, 16 in sync, +4
+  with error feedback; see there) of the rank's outer shard (the distributed optimizer's shard,
+  i.e. / DP_in, when it is used); with ``--dilocox-offload-outer-state`` it moves from the GPU to
+  pinned host memory (``Plan.host_memory``, per GPU: multiply by GPUs per node for a node);
 * activations (Korthikanti et al. 2022, 16-bit, no sequence parallel), per layer and
   micro-batch: ``s b h (10 + 24 / t + 5 a s / (h t))`` bytes, which is ``s b h (34 + 5 a s / h)``
   at t = 1; times the layers of a stage and the micro-batches in flight on the first stage with
@@ -39,11 +40,17 @@ fragmentation, NCCL buffers or logits, so keep some headroom):
   activations are doubled.
 
 **Step time** (identical inner step for both methods; one cluster processes global_batch / C
-samples per step on its G GPUs)::
+samples per step; see :func:`step_time`): matmul FLOPs of the largest stage per micro-batch
+(:func:`stage_flops_per_token`: 2 per weight and token forward, attention scores, logits,
+backward = 2 forwards, full recompute + 1 forward of the layers) at ``--gpu-tflops``, plus
+tensor-parallel all-reduces and pipeline sends, through the 1F1B schedule (bubble ``(PP - 1) / m``
+for equal stages), then the data-parallel all-reduce of fp32 gradients, not overlapped::
 
-    compute = 6 N tokens_cluster / (G * tflops)  * (4/3 with full recompute)
-              * (1 + (PP - 1) / m)                 pipeline bubble of 1F1B
-    intra   = 2 (DP_in - 1) / DP_in * 4 N_rank / intra_bw     (no overlap with compute)
+    intra   = 2 (DP_in - 1) / DP_in * 4 N_rank / intra_bw
+
+**CPU mode** (``Machine.cpu_cores`` > 0) predicts the CPU runs that calibrate this model: all
+ranks are processes on one machine, the rate is a measured matmul GFLOP/s, and the processes of all
+clusters share the cores.
 
 **Cross-cluster link.** ``--inter-bandwidth-gbps`` is the link between two clusters, shared by
 all M = TP PP DP_in ranks of a cluster (``--inter-link per-rank`` gives every rank its own link
@@ -239,7 +246,9 @@ class DiLoCoXSettings:
     rank: int = 8
     block: int = 256
     sync_mode: str = "delay"
+    error_feedback: bool = False
     offload_outer_state: bool = False
+    """``--dilocox-offload-outer-state``: outer state in pinned host memory, not on the GPU."""
 
 
 @dataclass
@@ -249,10 +258,28 @@ class Machine:
     """Achievable dense bf16 TFLOP/s per GPU (not the datasheet peak)."""
     gpus_per_cluster: int = 8
     intra_bandwidth_gbps: float = 400.0
-    """Per-GPU bandwidth of the data-parallel all-reduce inside a cluster."""
+    """Per-GPU bandwidth of the data-parallel all-reduce and pipeline sends inside a cluster."""
+    tp_bandwidth_gbps: float = 3600.0
+    """Per-GPU bandwidth of the tensor-parallel all-reduces (NVLink inside a node)."""
     inter_bandwidth_gbps: float = 1.0
     inter_link: str = "shared"
     """``shared``: one link between clusters for all ranks; ``per-rank``: one per rank."""
+    cpu_cores: int = 0
+    """CPU mode when > 0: every rank of every cluster is a process on one machine with this many
+    cores (how the calibration runs on CPU work); 0: one GPU per rank."""
+    cpu_gflops_1thread: float = 0.0
+    """CPU mode: achieved matmul GFLOP/s of one single-threaded process (measured)."""
+    cpu_gflops_all_threads: float = 0.0
+    """CPU mode: achieved matmul GFLOP/s of one process using all cores' threads (measured)."""
+
+
+OUTER_BYTES_PER_PARAM = {"delay": 20, "delay-naive": 20, "sync": 16}
+"""Peak outer-state bytes per parameter of the outer shard, as ``outer/sync.py`` holds it: fp32
+base and Nesterov momentum (8); in delay modes the round start (4) and the pseudo-gradient in
+flight (4) live through the round, and at a boundary the new pseudo-gradient (4) meets the
+previous round's average (4 of the 8 already counted) - 20 at peak, 16 between boundaries; in
+sync mode the pseudo-gradient and its average exist only at the boundary (8 + 8). Error feedback
+adds its fp32 residual (4). Codec buffers (factors, payloads) are not counted."""
 
 
 @dataclass
@@ -262,7 +289,8 @@ class Plan:
     outer_shard_params: int
     dp_in: int
     num_microbatches: int
-    memory: dict[str, float] = field(default_factory=dict)  # bytes
+    memory: dict[str, float] = field(default_factory=dict)  # bytes on one GPU
+    host_memory: dict[str, float] = field(default_factory=dict)  # bytes in host memory per GPU
     gpu_bytes: float = 0.0
     fits: bool = False
     step: dict[str, float] = field(default_factory=dict)  # seconds
@@ -280,10 +308,30 @@ def activation_bytes(m: ModelShape, lay: Layout) -> tuple[float, float, int]:
     return scale * full_layer, scale * 2 * s * b * h, per_stage
 
 
+def layer_matmul_flops(m: ModelShape, tp: int = 1) -> float:
+    """Forward matmul FLOPs per token of one layer on one TP rank: 2 per weight of its linear
+    layers, plus the attention scores and the weighted values, 2 x 2 s h / tp (the local spec's
+    unfused softmax computes the full s x s scores, causal or not)."""
+    weights = sum(t.numel for t in layer_tensors(m, tp) if len(t.shape) == 2)
+    return 2 * weights + 4 * m.seq_length * m.hidden_size / tp
+
+
+def stage_flops_per_token(m: ModelShape, tp: int, pp: int, stage: int, recompute_full: bool = False) -> float:
+    """Training matmul FLOPs per token on one (TP rank, pipeline stage): forward x 3 (backward
+    = 2 forwards), x 4 for the layers under full recompute; the last stage adds the output
+    logits (forward 2 V_pad h / tp). Embedding lookups, norms and element-wise ops: none."""
+    layers = m.num_layers // pp * layer_matmul_flops(m, tp) * (4 if recompute_full else 3)
+    v = padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    logits = 3 * 2 * v * m.hidden_size / tp if stage == pp - 1 else 0
+    return layers + logits
+
+
 def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     tp, pp, c = lay.tp, lay.pp, d.clusters
     if mach.gpus_per_cluster % (tp * pp):
         raise ValueError(f"--gpus-per-cluster {mach.gpus_per_cluster} not divisible by TP x PP = {tp * pp}")
+    if d.sync_mode not in OUTER_BYTES_PER_PARAM:
+        raise ValueError(f"--dilocox-sync-mode {d.sync_mode!r}: expected one of {sorted(OUTER_BYTES_PER_PARAM)}")
     dp_in = mach.gpus_per_cluster // (tp * pp)
     per_step = lay.micro_batch_size * dp_in * c
     if lay.global_batch_size % per_step:
@@ -306,30 +354,25 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     else:
         act = full_layer * per_stage * in_flight
     adam = (12 if lay.bf16 else 8) * n_rank / (dp_in if lay.use_distributed_optimizer else 1)
+    outer = (OUTER_BYTES_PER_PARAM[d.sync_mode] + 4 * d.error_feedback) * n_outer if c > 1 else 0.0
     p.memory = dict(
         weights=(2 if lay.bf16 else 4) * n_rank, grads=4 * n_rank, inner_optimizer=adam,
-        outer_state=0.0 if d.offload_outer_state else 8 * n_outer, activations=act,
+        outer_state=0.0 if d.offload_outer_state else outer, activations=act,
     )
+    p.host_memory = dict(outer_state=outer if d.offload_outer_state else 0.0)
     p.gpu_bytes = sum(p.memory.values())
     p.fits = p.gpu_bytes <= mach.gpu_memory_gib * GIB
 
-    intra_bw, inter_bw = gbps_to_bytes_per_s(mach.intra_bandwidth_gbps), gbps_to_bytes_per_s(mach.inter_bandwidth_gbps)
-    tokens_cluster = lay.global_batch_size * m.seq_length / c
-    compute = 6 * p.params * tokens_cluster / (mach.gpus_per_cluster * mach.gpu_tflops * 1e12)
-    if lay.recompute_full:
-        compute *= 4 / 3
-    bubble = (pp - 1) / nmb
-    intra = 2 * (dp_in - 1) / dp_in * 4 * n_rank / intra_bw
-    step = compute * (1 + bubble) + intra
-    p.step = dict(compute=compute, bubble_factor=bubble, intra_allreduce=intra, total=step,
-                  tokens_per_step=lay.global_batch_size * m.seq_length)
+    p.step = step_time(m, lay, mach, c, dp_in, nmb, n_rank)
+    step = p.step["total"]
 
+    inter_bw = gbps_to_bytes_per_s(mach.inter_bandwidth_gbps)
     ranks_on_link = mach.gpus_per_cluster if mach.inter_link == "shared" else 1
     # AllReduce: per rank, its 1/DP_in piece of the fp32 gradient, all-reduced across clusters.
     ar_rank = [2 * (c - 1) / c * 4 * n / dp_in for n in stage_numel]
     ar_link = sum(ar_rank) * tp * dp_in if ranks_on_link > 1 else max(ar_rank)
     ar_time = ar_link / inter_bw
-    p.allreduce = dict(bytes_per_rank_per_step=max(ar_rank), link_bytes_per_step=ar_link,
+    p.allreduce = dict(bytes_per_rank_per_step=max(ar_rank), per_stage=ar_rank, link_bytes_per_step=ar_link,
                        comm=ar_time, step=step + ar_time)
 
     # DiLoCoX: payload of each stage's outer shard.
@@ -350,13 +393,59 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     h_steps = d.local_steps
     compute_round = h_steps * step
     rnd = max(compute_round, exchange) if d.sync_mode != "sync" else compute_round + exchange
-    p.dilocox = dict(payload_per_rank=max(payload), sent_per_rank_per_round=max(sent),
+    p.dilocox = dict(payload_per_rank=max(payload), payload_per_stage=payload,
+                     sent_per_rank_per_round=max(sent), sent_per_stage=sent,
                      bytes_per_rank_per_step=max(sent) / h_steps, link_bytes_per_round=dl_link,
                      exchange=exchange, round_compute=compute_round, round=rnd,
                      step=rnd / h_steps, hidden=float(exchange <= compute_round),
                      dense_bytes=4 * math.ceil(n_outer))
     p.ratio = h_steps * p.allreduce["step"] / rnd
     return p
+
+
+def step_time(m: ModelShape, lay: Layout, mach: Machine, clusters: int, dp_in: int, nmb: int,
+              n_rank: int) -> dict[str, float]:
+    """One inner step of one cluster (the same for DiLoCoX and AllReduce), in seconds.
+
+    Per micro-batch, stage ``k`` takes ``tau_k`` = matmul FLOPs / rate + its tensor-parallel
+    all-reduces (4 per layer: 2 forward, 2 backward, of ``s b h`` activations, ring cost
+    ``2 (t - 1) / t``; 6 with full recompute) + its pipeline send and receive (``s b h``
+    activations forward, the same gradient backward; none on the last stage). 1F1B then takes
+    ``(m - 1) max_k tau_k + sum_k tau_k``, which is ``m tau (1 + (PP - 1) / m)`` for equal
+    stages. Then the data-parallel all-reduce of the fp32 gradients, not overlapped.
+
+    CPU mode (``mach.cpu_cores``): the rate is ``cpu_gflops_all_threads`` for a single process
+    and ``cpu_gflops_1thread`` otherwise (torchrun sets OMP_NUM_THREADS=1 for several processes
+    per node), and all clusters' processes share the cores, so the matmul part also takes at
+    least (matmul seconds of every process) / cores.
+    """
+    tp, pp, b, s, h = lay.tp, lay.pp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    act_bytes = 2 if lay.bf16 else 4
+    tokens = b * s
+    processes = clusters * mach.gpus_per_cluster
+    if mach.cpu_cores:
+        if mach.cpu_gflops_1thread <= 0 or mach.cpu_gflops_all_threads <= 0:
+            raise ValueError("CPU mode needs --cpu-gflops ONE_THREAD ALL_THREADS (measure with "
+                             "tools/calibrate_planner.py, which prints them)")
+        rate = 1e9 * (mach.cpu_gflops_all_threads if processes == 1 else mach.cpu_gflops_1thread)
+    else:
+        rate = 1e12 * mach.gpu_tflops
+    intra_bw, tp_bw = gbps_to_bytes_per_s(mach.intra_bandwidth_gbps), gbps_to_bytes_per_s(mach.tp_bandwidth_gbps)
+    matmul = [stage_flops_per_token(m, tp, pp, k, lay.recompute_full) * tokens / rate for k in range(pp)]
+    tp_calls = (6 if lay.recompute_full else 4) * (m.num_layers // pp)
+    tp_comm = tp_calls * 2 * (tp - 1) / tp * tokens * h * act_bytes / tp_bw
+    p2p = 2 * tokens * h * act_bytes / intra_bw
+    tau = [matmul[k] + tp_comm + (p2p if k < pp - 1 else 0.0) for k in range(pp)]
+    pipeline = (nmb - 1) * max(tau) + sum(tau)
+    shared = 0.0
+    if mach.cpu_cores:
+        shared = clusters * dp_in * tp * nmb * sum(matmul) / mach.cpu_cores
+    compute = max(pipeline, shared)
+    intra = 2 * (dp_in - 1) / dp_in * 4 * n_rank / intra_bw
+    return dict(matmul=nmb * max(matmul), tp_comm=nmb * tp_comm, p2p=nmb * p2p * (pp > 1),
+                pipeline=pipeline, cores_bound=shared, compute=compute,
+                bubble_factor=pipeline / (nmb * max(tau)) - 1, intra_allreduce=intra, total=compute + intra,
+                tokens_per_step=lay.global_batch_size * s)
 
 
 def _fmt_bytes(x: float) -> str:
@@ -376,17 +465,23 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
         f"parameters: {p.params:,} ({p.params / 1e9:.3f} B); padded vocab "
         f"{padded_vocab(m.vocab_size, m.make_vocab_size_divisible_by, lay.tp):,}",
         f"layout: {d.clusters} clusters x (TP {lay.tp} x PP {lay.pp} x DP_in {p.dp_in}) = "
-        f"{d.clusters * mach.gpus_per_cluster} GPUs; {p.num_microbatches} micro-batches per step",
+        f"{d.clusters * mach.gpus_per_cluster} {'CPU processes' if mach.cpu_cores else 'GPUs'}; {p.num_microbatches} micro-batches per step",
         f"parameters per GPU (largest stage): {p.params_per_rank:,}; outer shard {p.outer_shard_params:,}",
         "memory per GPU:",
     ]
     L += [f"  {k:<16} {_fmt_bytes(v):>14}" for k, v in p.memory.items()]
     L += [f"  {'total':<16} {_fmt_bytes(p.gpu_bytes):>14} of {mach.gpu_memory_gib:g} GiB: "
           f"{'fits' if p.fits else 'DOES NOT FIT'} (no allowance for context/fragmentation)"]
+    if p.host_memory["outer_state"]:
+        L += [f"host memory per GPU (pinned, --dilocox-offload-outer-state): outer_state "
+              f"{_fmt_bytes(p.host_memory['outer_state'])}"]
     s = p.step
     L += [
-        f"step: compute {_fmt_s(s['compute'])} x (1 + bubble {s['bubble_factor']:.3f}) + intra-cluster "
-        f"all-reduce {_fmt_s(s['intra_allreduce'])} = {_fmt_s(s['total'])} ({s['tokens_per_step']:,.0f} tokens)",
+        f"step: matmul {_fmt_s(s['matmul'])} + TP all-reduce {_fmt_s(s['tp_comm'])} + pipeline p2p "
+        f"{_fmt_s(s['p2p'])}, bubble {s['bubble_factor']:.3f} -> {_fmt_s(s['pipeline'])}"
+        + (f", cores bound {_fmt_s(s['cores_bound'])}" if mach.cpu_cores else "")
+        + f"; + intra-cluster all-reduce {_fmt_s(s['intra_allreduce'])} = {_fmt_s(s['total'])} "
+        f"({s['tokens_per_step']:,.0f} tokens)",
         f"AllReduce baseline: {_fmt_bytes(p.allreduce['bytes_per_rank_per_step'])} per rank per step across "
         f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
         f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, rank {d.rank}, H {d.local_steps}, {d.sync_mode}): "

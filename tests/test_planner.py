@@ -65,17 +65,94 @@ def test_memory_arithmetic_small_case():
     assert p.dp_in == 2 and p.num_microbatches == 2 and p.params_per_rank == n
     assert p.memory["weights"] == 2 * n and p.memory["grads"] == 4 * n
     assert p.memory["inner_optimizer"] == 12 * n / 2
-    assert p.memory["outer_state"] == 8 * n / 2
+    # delay mode: base, momentum, round start, in-flight pseudo-gradient + the next one at a boundary
+    assert p.memory["outer_state"] == (4 + 4 + 4 + 4 + 4) * n / 2 and p.host_memory["outer_state"] == 0
     s, b, h, a = 128, 4, 256, 4
     per_layer = s * b * h * (34 + 5 * a * s / h)
     assert p.memory["activations"] == per_layer * 2 * 2  # 2 layers/stage x min(PP, m) = 2 in flight
     assert p.fits
-    off = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, offload_outer_state=True), mach)
-    assert off.memory["outer_state"] == 0
     rec = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, bf16=True,
                                recompute_full=True), d, mach)
     assert rec.memory["activations"] == 2 * s * b * h * 2 * 2 + per_layer
-    assert math.isclose(rec.step["compute"], p.step["compute"] * 4 / 3)
+
+
+def test_outer_state_offload_sync_and_error_feedback():
+    m = pl.ModelShape(**QS)
+    lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, use_distributed_optimizer=True, bf16=True)
+    mach = pl.Machine(gpus_per_cluster=4)
+    shard = (1_048_576 + 32_768 + 2 * 789_760) / 2
+    cases = {  # (sync mode, error feedback, offload): outer bytes per param of the shard
+        ("delay", False, False): 20, ("delay", True, False): 24, ("sync", False, False): 16,
+        ("sync", True, True): 20, ("delay", False, True): 20,
+    }
+    base = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2), mach)
+    for (mode, ef, off), per_param in cases.items():
+        p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, sync_mode=mode, error_feedback=ef,
+                                               offload_outer_state=off), mach)
+        gpu, host = (0, per_param * shard) if off else (per_param * shard, 0)
+        assert (p.memory["outer_state"], p.host_memory["outer_state"]) == (gpu, host), (mode, ef, off)
+        others = sum(v for k, v in p.memory.items() if k != "outer_state")
+        assert others == sum(v for k, v in base.memory.items() if k != "outer_state")
+        assert p.gpu_bytes == others + gpu
+    # one cluster: no outer loop, no outer state
+    one = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32), pl.DiLoCoXSettings(clusters=1),
+                  pl.Machine(gpus_per_cluster=2))
+    assert one.memory["outer_state"] == 0 and one.allreduce["comm"] == 0 and one.ratio == 1
+
+
+def test_matmul_flops_by_hand():
+    m = pl.ModelShape(**QS)
+    weights = 768 * 256 + 256 * 256 + 1024 * 256 + 256 * 1024  # qkv, proj, fc1, fc2
+    layer = 2 * weights + 2 * 2 * 128 * 256  # + scores and weighted values
+    assert layer == 1_703_936 and pl.layer_matmul_flops(m) == layer
+    logits = 3 * 2 * 4096 * 256
+    assert pl.stage_flops_per_token(m, 1, 1, 0) == 4 * 3 * layer + logits
+    # PP2: the first stage has 2 layers and no logits; full recompute: the layers' forward x 4
+    assert pl.stage_flops_per_token(m, 1, 2, 0) == 2 * 3 * layer
+    assert pl.stage_flops_per_token(m, 1, 2, 1, recompute_full=True) == 2 * 4 * layer + logits
+    # TP2 halves every product (the vocabulary 4096 is already a multiple of lcm(128, 2))
+    assert pl.stage_flops_per_token(m, 2, 1, 0) == (4 * 3 * layer + logits) / 2
+
+
+def test_step_time_gpu_pipeline_by_hand():
+    m = pl.ModelShape(**QS)
+    lay = pl.Layout(tp=2, pp=2, micro_batch_size=4, global_batch_size=64, bf16=True)
+    mach = pl.Machine(gpus_per_cluster=8, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, tp_bandwidth_gbps=16.0)
+    p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, compression="none"), mach)
+    # DP_in = 8 / 4 = 2, micro-batches = 64 / (4 x 2 x 2) = 4, tokens per micro-batch 512
+    assert p.dp_in == 2 and p.num_microbatches == 4
+    layer = 1_703_936 / 2
+    mm0 = 2 * 3 * layer * 512 / 1e12
+    mm1 = (2 * 3 * layer + 3 * 2 * 4096 * 256 / 2) * 512 / 1e12
+    tp = 4 * 2 * (2 * 1 / 2) * 512 * 256 * 2 / 2e9  # 4 all-reduces/layer, ring 2(t-1)/t, bf16, 16 Gbps
+    p2p = 2 * 512 * 256 * 2 / 1e9  # forward activation out + gradient in, 8 Gbps
+    tau0, tau1 = mm0 + tp + p2p, mm1 + tp
+    pipeline = 3 * max(tau0, tau1) + tau0 + tau1
+    assert math.isclose(p.step["pipeline"], pipeline) and math.isclose(p.step["compute"], pipeline)
+    assert math.isclose(p.step["bubble_factor"], pipeline / (4 * tau1) - 1)
+    n = p.params_per_rank
+    assert math.isclose(p.step["intra_allreduce"], 2 * 1 / 2 * 4 * n / 1e9)
+    assert math.isclose(p.step["total"], pipeline + p.step["intra_allreduce"])
+
+
+def test_step_time_cpu_mode_by_hand():
+    m = pl.ModelShape(**QS)
+    per_token = 4 * 3 * 1_703_936 + 3 * 2 * 4096 * 256
+    tokens = 16 * 128
+    one = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0)
+    lay = pl.Layout(micro_batch_size=4, global_batch_size=16)
+    p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), one)
+    assert math.isclose(p.step["total"], per_token * tokens / 16e9)  # one process: all threads
+    # 2 clusters x PP2 on 4 single-threaded processes sharing 2 cores: the cores bound wins
+    four = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
+                      intra_bandwidth_gbps=8.0)
+    lay2 = pl.Layout(pp=2, micro_batch_size=4, global_batch_size=16)
+    q = pl.plan(m, lay2, pl.DiLoCoXSettings(clusters=2), four)
+    assert math.isclose(q.step["cores_bound"], per_token * tokens / 10e9 / 2)
+    mm = [2 * 3 * 1_703_936 * 512 / 10e9, (2 * 3 * 1_703_936 + 3 * 2 * 4096 * 256) * 512 / 10e9]
+    tau = [mm[0] + 2 * 512 * 256 * 4 / 1e9, mm[1]]
+    assert math.isclose(q.step["pipeline"], max(tau) + sum(tau))  # 2 micro-batches per cluster
+    assert q.step["cores_bound"] > q.step["pipeline"] and q.step["total"] == q.step["cores_bound"]
 
 
 def test_step_and_ratio_arithmetic():
@@ -85,8 +162,7 @@ def test_step_and_ratio_arithmetic():
     d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none")
     p = pl.plan(m, lay, d, mach)
     n = p.params_per_rank
-    compute = 6 * p.params * (4 * 128 / 2) / (2 * 1e12)
-    assert math.isclose(p.step["compute"], compute)
+    assert math.isclose(p.step["compute"], pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
     assert math.isclose(p.step["intra_allreduce"], 2 * 0.5 * 4 * n / 1e9)
     # AllReduce: each rank sends 2(C-1)/C of its 1/DP_in gradient piece; 2 ranks share the link.
     assert math.isclose(p.allreduce["comm"], 2 * (1 * 4 * n / 2) / 1e9)
@@ -105,3 +181,26 @@ def test_cli_quickstart_and_preset(capsys):
     assert "fits" in out and "paper reports: 357x" in out
     p = pl.plan(*cli.configs(cli.resolve(["--preset", "paper-107b"])))
     assert 100e9 < p.params < 110e9 and p.fits
+
+
+def test_cli_plans_a_launch_with_its_own_flags(capsys):
+    import tools.plan as cli
+    vanilla = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+               "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-3",
+               "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "4096"]
+    launch = vanilla + ["--dilocox", "--dilocox-local-steps", "10", "--dilocox-sync-mode", "sync"]
+    ns = cli.resolve(["--gpus-per-cluster", "2", "--", *launch, "--not-a-flag", "1"])
+    assert "does not know --not-a-flag" in capsys.readouterr().err
+    model, lay, d, mach = cli.configs(ns)
+    assert (lay.pp, lay.micro_batch_size, lay.global_batch_size, d.clusters, d.local_steps, d.sync_mode,
+            model.vocab_size) == (2, 4, 16, 2, 10, "sync", 4096)
+    direct = cli.resolve(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+                          "--seq-length", "128", "--vocab-size", "4096", "--pipeline-model-parallel-size", "2",
+                          "--micro-batch-size", "4", "--global-batch-size", "16", "--dilocox-clusters", "2",
+                          "--dilocox-local-steps", "10", "--dilocox-sync-mode", "sync", "--gpus-per-cluster", "2"])
+    assert pl.plan(*cli.configs(ns)) == pl.plan(*cli.configs(direct))
+    # without --dilocox a launch is one cluster
+    assert cli.resolve(["--", *vanilla]).dilocox_clusters == 1
+    # --check-fits: status 3 and a one-line error when the memory does not fit
+    assert cli.main(["--gpu-memory-gib", "0.01", "--check-fits", "--gpus-per-cluster", "2", "--", *launch]) == 3
+    assert "does not fit --gpu-memory-gib 0.01" in capsys.readouterr().err

@@ -6,6 +6,11 @@ Pure arithmetic; formulas and assumptions in ``megatron_dilocox/planner.py``. Ex
         --vocab-size 4096 --pipeline-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 16 \\
         --dilocox-clusters 2 --gpus-per-cluster 2
     python tools/plan.py --preset paper-107b
+    python tools/plan.py --vocab-size 32000 --gpus-per-cluster 64 --check-fits -- <pretrain_gpt.py flags>
+
+After ``--``, the flags of a ``pretrain_gpt.py`` launch (parsed by its own parser) fill in every
+model, layout and DiLoCoX figure not given before ``--``; the launch scripts in examples/ plan
+exactly what they launch that way.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ PAPER_RATIO = 357.0
 # A ~107B GPT (our choice: the paper's exact shape is not available to us). 84 layers x
 # (12 h^2 + 13 h) + untied 51,200 x 10,240 embeddings = 106.8B parameters. Machine and layout
 # are assumptions: 2 clusters of 16 nodes x 8 GPUs (80 GiB, 150 achievable TFLOP/s, e.g. A800
-# at ~48% of its 312 peak), 400 Gbps per GPU inside a cluster, 1 Gbps between the clusters;
+# at ~48% of its 312 peak), 400 Gbps per GPU inside a cluster (1,600 Gbps NVLink for TP, the
+# A800's 400 GB/s both ways), 1 Gbps between the clusters;
 # TP8 x PP4 x DP_in 4 with the distributed optimizer, full recompute, outer state offloaded.
 PRESETS = {
     "paper-107b": dict(
@@ -33,7 +39,7 @@ PRESETS = {
         global_batch_size=1024, use_distributed_optimizer=True, bf16=True, recompute_granularity="full",
         dilocox_clusters=2, dilocox_local_steps=125, dilocox_compression="lowrank-quantize",
         dilocox_quant_bits=8, dilocox_rank=8, gpu_memory_gib=80, gpu_tflops=150, gpus_per_cluster=128,
-        intra_bandwidth_gbps=400, inter_bandwidth_gbps=1, dilocox_offload_outer_state=True,
+        intra_bandwidth_gbps=400, tp_bandwidth_gbps=1600, inter_bandwidth_gbps=1, dilocox_offload_outer_state=True,
     ),
 }
 
@@ -74,15 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dilocox-quant-block", type=int)
     g.add_argument("--dilocox-rank", type=int)
     g.add_argument("--dilocox-sync-mode", choices=["delay", "sync"])
-    g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None)
+    g.add_argument("--dilocox-error-feedback", action="store_true", default=None,
+                   help="Counts the error-feedback residual in the outer state.")
+    g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None,
+                   help="Outer state (fp32 base, momentum, round start, residual) in pinned host memory.")
     g = ap.add_argument_group("machine")
     g.add_argument("--gpu-memory-gib", type=float)
     g.add_argument("--gpu-tflops", type=float, help="Achievable dense bf16 TFLOP/s per GPU.")
     g.add_argument("--gpus-per-cluster", type=int)
     g.add_argument("--intra-bandwidth-gbps", type=float, help="Per-GPU bandwidth inside a cluster.")
+    g.add_argument("--tp-bandwidth-gbps", type=float, help="Per-GPU bandwidth of tensor-parallel all-reduces.")
     g.add_argument("--inter-bandwidth-gbps", type=float, help="Link between clusters.")
     g.add_argument("--inter-link", choices=["shared", "per-rank"],
                    help="shared (default): one link for all ranks of a cluster; per-rank: one each.")
+    g.add_argument("--cpu-cores", type=int, help="CPU mode: every rank is a process on one machine with this "
+                   "many cores (the calibration runs); --gpus-per-cluster then counts processes.")
+    g.add_argument("--cpu-gflops", type=float, nargs=2, metavar=("ONE_THREAD", "ALL_THREADS"),
+                   help="CPU mode: measured matmul GFLOP/s of one process (tools/calibrate_planner.py "
+                   "prints them).")
+    ap.add_argument("--check-fits", action="store_true",
+                    help="Exit with status 3 when the memory per GPU exceeds --gpu-memory-gib.")
     return ap
 
 
@@ -93,14 +110,48 @@ DEFAULTS = dict(
     use_distributed_optimizer=False, bf16=False, dilocox_clusters=2, dilocox_local_steps=20,
     dilocox_compression="lowrank-quantize", dilocox_quant_bits=8, dilocox_quant_block=256, dilocox_rank=8,
     dilocox_sync_mode="delay", dilocox_offload_outer_state=False, gpu_memory_gib=80.0, gpu_tflops=400.0,
-    intra_bandwidth_gbps=400.0, inter_bandwidth_gbps=1.0, inter_link="shared",
+    intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0, inter_bandwidth_gbps=1.0, inter_link="shared",
+    dilocox_error_feedback=False, cpu_cores=0, cpu_gflops=(0.0, 0.0),
 )
+LAUNCH_KEYS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+    "max_position_embeddings", "position_embedding_type", "normalization", "vocab_size",
+    "make_vocab_size_divisible_by", "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
+    "use_distributed_optimizer", "bf16", "recompute_granularity", "dilocox_clusters", "dilocox_local_steps",
+    "dilocox_compression", "dilocox_quant_bits", "dilocox_quant_block", "dilocox_rank", "dilocox_sync_mode",
+    "dilocox_error_feedback", "dilocox_offload_outer_state",
+)
+"""What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
+
+
+def launch_values(launch_argv: list[str]) -> dict:
+    """The plan's figures from pretrain_gpt.py flags, read by pretrain_gpt.py's own parser.
+
+    Flags that parser does not know are named in a warning (pretrain_gpt.py itself would refuse
+    them); a launch without ``--dilocox`` and ``--dilocox-clusters`` is one cluster.
+    """
+    from megatron_dilocox.arguments import build_parser as pretrain_parser
+
+    ns, unknown = pretrain_parser().parse_known_args(launch_argv)
+    flags = [x for x in unknown if x.startswith("--")]
+    if flags:
+        print(f"tools/plan.py: warning: pretrain_gpt.py does not know {' '.join(flags)}", file=sys.stderr)
+    values = {k: getattr(ns, k) for k in LAUNCH_KEYS if getattr(ns, k, None) is not None}
+    if ns.dilocox_clusters is None:
+        values["dilocox_clusters"] = 2 if ns.dilocox else 1
+    return values
 
 
 def resolve(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launch = argv[argv.index("--") + 1:] if "--" in argv else None
     ap = build_parser()
-    args = ap.parse_args(argv)
-    base = dict(DEFAULTS, **(PRESETS[args.preset] if args.preset else {}))
+    args = ap.parse_args(argv[:argv.index("--")] if launch is not None else argv)
+    if launch is not None and args.preset:
+        ap.error("--preset and pretrain_gpt.py flags after -- are exclusive")
+    base = dict(DEFAULTS, **(PRESETS[args.preset] if args.preset else {}),
+                **(launch_values(launch) if launch is not None else {}))
     for k, v in base.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -133,10 +184,13 @@ def configs(args):
     dl = DiLoCoXSettings(clusters=args.dilocox_clusters, local_steps=args.dilocox_local_steps,
                          compression=args.dilocox_compression, quant_bits=args.dilocox_quant_bits,
                          rank=args.dilocox_rank, block=args.dilocox_quant_block, sync_mode=args.dilocox_sync_mode,
+                         error_feedback=args.dilocox_error_feedback,
                          offload_outer_state=args.dilocox_offload_outer_state)
     machine = Machine(gpu_memory_gib=args.gpu_memory_gib, gpu_tflops=args.gpu_tflops,
                       gpus_per_cluster=args.gpus_per_cluster, intra_bandwidth_gbps=args.intra_bandwidth_gbps,
-                      inter_bandwidth_gbps=args.inter_bandwidth_gbps, inter_link=args.inter_link)
+                      tp_bandwidth_gbps=args.tp_bandwidth_gbps, inter_bandwidth_gbps=args.inter_bandwidth_gbps,
+                      inter_link=args.inter_link, cpu_cores=args.cpu_cores,
+                      cpu_gflops_1thread=args.cpu_gflops[0], cpu_gflops_all_threads=args.cpu_gflops[1])
     return model, layout, dl, machine
 
 
@@ -151,6 +205,10 @@ def main(argv=None) -> int:
     print(report(p, *cfg))
     if args.preset == "paper-107b":
         print(f"paper reports: {PAPER_RATIO:g}x (predicted above: {p.ratio:,.1f}x; constants not tuned to it)")
+    if args.check_fits and not p.fits:
+        print(f"error: {p.gpu_bytes / 2**30:,.2f} GiB per GPU does not fit --gpu-memory-gib "
+              f"{args.gpu_memory_gib:g}", file=sys.stderr)
+        return 3
     return 0
 
 
