@@ -120,6 +120,19 @@ def _logging_args(parser):
                    help="Append JSON lines here: one per log interval and one per evaluation.")
 
 
+def _checkpoint_args(parser):
+    g = parser.add_argument_group(
+        "checkpointing", "Megatron layout: SAVE_DIR/iter_XXXXXXX/ folders and latest_checkpointed_iteration.txt.")
+    g.add_argument("--save", default=None, help="Directory to save checkpoints to.")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="Save every N iterations (and always at the end of training with --save).")
+    g.add_argument("--load", default=None,
+                   help="Resume from the latest checkpoint in this directory: exactly with the same layout, "
+                        "from the (resharded) weights with another TP/PP/cluster layout.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Stop after the first iteration divisible by N, saving a checkpoint with --save.")
+
+
 def _dilocox_args(parser):
     g = parser.add_argument_group(
         "DiLoCoX", "Train C clusters apart and exchange a pseudo-gradient every H steps "
@@ -203,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "without --dilocox this is the vanilla AllReduce baseline.",
         allow_abbrev=False,
     )
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _dilocox_args):
+    for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args,
+                _dilocox_args):
         add(parser)
     return parser
 
@@ -309,6 +323,15 @@ def _check_data(args):
              f"--split: expected up to three non-negative weights, got {args.split!r}")
 
 
+def _check_checkpointing(args):
+    for flag in ("save_interval", "exit_interval"):
+        value = getattr(args, flag)
+        _require(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    _require(args.save_interval is None or args.save, "--save-interval needs --save DIR")
+    if args.load is not None:
+        _require(os.path.isdir(args.load), f"--load: no such directory: {args.load}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parses and checks flags. Raises ConfigError on a bad combination."""
     args = build_parser().parse_args(argv)
@@ -316,6 +339,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_parallel(args)
     _check_training(args)
     _check_data(args)
+    _check_checkpointing(args)
     if args.dilocox_clusters is not None:
         args.clusters = args.dilocox_clusters
     else:

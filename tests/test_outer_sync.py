@@ -300,6 +300,21 @@ def test_worker_gets_a_private_delta():
     assert len(seen) == 3 and not owned & set(seen)
 
 
+def test_drained_base_previews_finish_without_changing_state():
+    params = toy_init()
+    sync = OuterSync(params, None, config("delay", clusters=1))
+    for r in range(3):  # momentum buffers exist and a round is in flight
+        local_steps(params, toy_data(0), H)
+        sync.step(r)
+    before = digest([sync.base, sync.round_start, *sync.optimizer.momentum_buffers, *params])
+    preview = sync.drained_base().clone()
+    assert digest([sync.base, sync.round_start, *sync.optimizer.momentum_buffers, *params]) == before
+    assert not torch.equal(preview, sync.base)
+    assert sync.finish() is not None  # the round is still in flight
+    sync.close()
+    assert torch.equal(preview, sync.base)
+
+
 def test_timeout_names_the_flag():
     params = toy_init()
     sync = OuterSync(params, None, config("sync", clusters=1, outer_timeout_s=0.1),

@@ -176,7 +176,7 @@ class OuterSync:
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
         with torch.no_grad():
             self.base = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.base_views = self._views(self.base)
+        self.base_views = self.views(self.base)
         # sync and delay-naive always start a round from base: share the buffer.
         self.round_start = self.base.clone() if config.sync_mode == "delay" else self.base
         self.optimizer = OuterNesterov(
@@ -272,6 +272,22 @@ class OuterSync:
             "pending_grad": None if result is None else result.grad,
         }
 
+    @torch.no_grad()
+    def drained_base(self) -> torch.Tensor:
+        """The outer params :meth:`finish` would produce now (the in-flight round applied),
+        without changing any state: what a checkpoint's global weights should hold."""
+        result, _ = self._wait()
+        if result is None:
+            return self.base
+        self._inflight = _done(result)
+        if not bool(torch.isfinite(result.grad).all()):
+            return self.base
+        base = self.base.clone()
+        preview = OuterNesterov([base], self.config.outer_lr, self.config.outer_momentum, self.config.nesterov)
+        preview.load_state_dict(self.optimizer.state_dict())  # copies the momentum buffers
+        preview.step([result.grad])
+        return base
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (tensors are copied)."""
         if state["sync_mode"] != self.config.sync_mode:
@@ -294,17 +310,18 @@ class OuterSync:
         if g is not None:
             self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0))
 
-    # -- internals ---------------------------------------------------------------------------
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (laid out like ``base``) cut into views shaped like ``params``."""
         views, offset = [], 0
         for p in self.params:
             views.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         return views
 
+    # -- internals ---------------------------------------------------------------------------
+
     def _write_params(self, flat: torch.Tensor) -> None:
-        for p, v in zip(self.params, self._views(flat)):
+        for p, v in zip(self.params, self.views(flat)):
             p.copy_(v)
 
     def _submit(self, delta: torch.Tensor) -> None:

@@ -131,12 +131,39 @@ class DiLoCoX:
         self.sync.close()
         return None if stats is None else self._record(stats, drain=True)
 
+    def stop(self) -> None:
+        """Stops without draining, for a run that exits after saving its in-flight round."""
+        self.sync.close()
+
+    def state_dict(self) -> dict:
+        """Outer loop state for a checkpoint (waits for an in-flight reduction and keeps its
+        result); the main params themselves are the checkpoint's to save."""
+        return {"sync": self.sync.state_dict(),
+                "compressor": None if self.compressor is None else self.compressor.state_dict(),
+                "local_steps": self.local_steps, "next_boundary": self.next_boundary}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict` output; the main params must already hold their saved
+        values (they are pushed to the model here). ValueError on a mismatch of settings."""
+        if (state["compressor"] is None) != (self.compressor is None):
+            raise ValueError("saved with --dilocox-compression "
+                             f"{'none' if state['compressor'] is None else 'on'}, this run has "
+                             f"{'none' if self.compressor is None else 'on'}")
+        self.sync.load_state_dict(state["sync"])
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compressor"])
+        self.local_steps = int(state["local_steps"])
+        self.next_boundary = int(state["next_boundary"])
+        push_to_model(self.optimizer)
+
     @contextlib.contextmanager
-    def global_params(self):
-        """Temporarily puts the outer (global) parameters into the model, e.g. for evaluation."""
+    def global_params(self, drained: bool = False):
+        """Temporarily puts the outer (global) parameters into the model, e.g. for evaluation;
+        ``drained``: with the in-flight round applied (see :meth:`OuterSync.drained_base`)."""
         saved = [p.detach().clone() for p in self.params]
+        base = self.sync.drained_base() if drained else self.sync.base
         with torch.no_grad():
-            for p, b in zip(self.params, self.sync.base_views):
+            for p, b in zip(self.params, self.sync.views(base)):
                 p.copy_(b)
         push_to_model(self.optimizer)
         try:

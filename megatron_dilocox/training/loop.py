@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dilocox.checkpoint import checkpointing
 from megatron_dilocox.topology import device
 from megatron_dilocox.training.data import MicroBatches
 
@@ -55,6 +56,8 @@ class Trainer:
         self.schedule = get_forward_backward_func()
         self.eval_round = 0
         self.final_val_loss = None
+        self.start_iteration = 0  # set by a checkpoint's restore
+        self.window_loss = torch.zeros(2, dtype=torch.float64)  # loss and tokens since the last log
 
     def _run_schedule(self, batches: MicroBatches, step: int, forward_only: bool):
         iterators = [batches.step(step) for _ in self.model]
@@ -121,12 +124,20 @@ class Trainer:
         with self.dilocox.global_params():
             return self.evaluate(iteration)
 
+    def save(self, iteration: int) -> float:
+        """Saves a checkpoint; returns the seconds it took (kept out of the throughput figures)."""
+        self._phase("checkpoint")
+        start = time.perf_counter()
+        checkpointing.save(self, iteration)
+        return time.perf_counter() - start
+
     def train(self) -> None:
         args = self.args
         tokens_per_step = args.global_batch_size * args.seq_length
-        window_loss = torch.zeros(2, dtype=torch.float64)
+        window_loss = self.window_loss
         start = window_start = time.perf_counter()
-        for iteration in range(1, args.train_iters + 1):
+        saved = None
+        for iteration in range(self.start_iteration + 1, args.train_iters + 1):
             self._phase("step")
             loss, grad_norm = self.train_step(iteration - 1)
             window_loss += loss
@@ -153,10 +164,23 @@ class Trainer:
                 window_start = time.perf_counter()
             if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
                 self._evaluate_global(iteration)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                saved = iteration
+                window_start += self.save(iteration)
+            if args.exit_interval and iteration % args.exit_interval == 0 and iteration != args.train_iters:
+                # Stop without draining: the in-flight round is in the checkpoint.
+                if args.save and saved != iteration:
+                    self.save(iteration)
+                if self.dilocox is not None:
+                    self.dilocox.stop()
+                self.logger.print(f"> exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+                return
         if self.dilocox is not None:
             self._phase("boundary")
             record = self.dilocox.finish()
             if record is not None:
                 self._outer_round(record)
+        if args.save and saved != args.train_iters and args.train_iters > self.start_iteration:
+            self.save(args.train_iters)
         if args.eval_iters:
             self.final_val_loss = self.evaluate(args.train_iters)

@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
+from megatron_dilocox.checkpoint.checkpointing import Resume  # noqa: E402
 from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
 from megatron_dilocox.arguments import ConfigError, compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
 from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
@@ -86,15 +87,24 @@ def setup(args):
         raise ConfigError(str(err)) from None
     train_data, valid_data = build_datasets(args, tokenizer)
     config = transformer_config(args)
-    chunks = build_gpt_chunks(args, config, padded_vocab_size(tokenizer.vocab_size, args))
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    chunks = build_gpt_chunks(args, config, args.padded_vocab_size)
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
+    resume = None
+    if args.load:
+        resume = Resume(args, topo)
+        resume.load_weights(model)  # before the optimizer copies them into its main params
     optimizer, scheduler = build_optimizer(args, model, config, topo)
     dilocox = (DiLoCoX(optimizer, topo, dilocox_config(args), compression_config(args), args.seed,
                        args.dilocox_emulated_delay_s)
                if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
-    return Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
+    trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
+    if resume is not None:
+        logger.print(resume.describe())
+        resume.restore(trainer)
+    return trainer
 
 
 def describe(args, topo) -> str:

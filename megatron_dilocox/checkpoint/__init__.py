@@ -1,0 +1,1 @@
+"""Checkpoints: Megatron-style iter_XXXXXXX folders, exact resume, resharding, conversion."""

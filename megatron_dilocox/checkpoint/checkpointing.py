@@ -1,0 +1,268 @@
+"""Saving and loading training checkpoints (the layout on disk is in :mod:`.files`).
+
+A checkpoint has two parts:
+
+* ``model/``: the global weights (under DiLoCoX: the outer parameters with the in-flight
+  round applied, as the run would end now; identical in every cluster), written with megatron-core's ``dist_checkpointing``, so they load into any TP/PP
+  layout and any number of clusters;
+* ``ranks/``: one file per rank with everything an exact resume needs: the inner optimizer's
+  fp32 main params and Adam state, RNG states, the running loss window and the DiLoCoX state
+  (outer params, round start, outer momentum, the reduced result of the in-flight round, the
+  compressor's warm starts and residuals, H). Used when the layout is unchanged.
+
+Loading with another layout (or from a converted checkpoint, which has no ``ranks/``) restores
+the weights, the iteration and the learning-rate schedule; the inner optimizer and the outer
+state start fresh from those weights, and the log says so.
+"""
+
+import contextlib
+import json
+import random
+import time
+
+import numpy
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
+
+from megatron_dilocox.checkpoint import files
+from megatron_dilocox.checkpoint.files import CheckpointError
+from megatron_dilocox.training.main_params import leaf_optimizers, main_params, push_to_model
+
+# The flags that define the weights' shapes and meaning: a checkpoint loads only where they agree.
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "position_embedding_type", "rotary_base", "max_position_embeddings", "normalization", "swiglu",
+               "untie_embeddings_and_output_weights", "disable_bias_linear", "padded_vocab_size")
+
+
+def model_signature(args) -> dict:
+    signature = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
+    signature["num_query_groups"] = args.num_query_groups or args.num_attention_heads
+    return signature
+
+
+def layout(args, topo) -> dict:
+    """What must be unchanged for an exact resume from the per-rank files."""
+    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+            "world_size": dist.get_world_size(),
+            "dilocox_clusters": topo.clusters if args.dilocox else 0,
+            "use_distributed_optimizer": args.use_distributed_optimizer,
+            "bf16": args.bf16}
+
+
+def coordinates(args, topo) -> dict:
+    return {"cluster": topo.cluster_rank if args.dilocox else 0,
+            "tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": topo.inner_dp_rank}
+
+
+def unwrap(chunk):
+    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def model_sharded_state_dict(model) -> dict:
+    """megatron's sharded state dict of every model chunk (keys are layout-independent)."""
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _rng_state() -> dict:
+    np_state = numpy.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    numpy.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _all_ranks_ok(error: str | None) -> None:
+    """Raises on every rank the first error any rank found, so no rank waits on the others."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+# -- save ----------------------------------------------------------------------------------------
+
+
+def _metadata(trainer, iteration: int) -> dict:
+    args = trainer.args
+    dilocox = None
+    if trainer.dilocox is not None:
+        sync = trainer.dilocox.sync
+        dilocox = {"outer_step": sync.outer_step, "sync_mode": args.dilocox_sync_mode,
+                   "compression": args.dilocox_compression, "local_steps": trainer.dilocox.local_steps,
+                   "next_boundary": trainer.dilocox.next_boundary}
+    return {"kind": "training", "iteration": iteration, "eval_round": trainer.eval_round,
+            "consumed_samples": iteration * args.global_batch_size,
+            "global_batch_size": args.global_batch_size, "scheduler": trainer.scheduler.state_dict(),
+            "model": model_signature(args), "layout": layout(args, trainer.topo), "dilocox": dilocox,
+            "args": json.loads(json.dumps(vars(args), default=str)),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _rank_state(trainer, iteration: int) -> dict:
+    return {"iteration": iteration,
+            "coordinates": coordinates(trainer.args, trainer.topo),
+            "main_params": main_params(trainer.optimizer),
+            "optimizers": [opt.optimizer.state_dict() for opt in leaf_optimizers(trainer.optimizer)],
+            "rng": _rng_state(),
+            "window_loss": trainer.window_loss,
+            "dilocox": None if trainer.dilocox is None else trainer.dilocox.state_dict()}
+
+
+def save(trainer, iteration: int) -> str:
+    """Writes the checkpoint of ``iteration`` (collective: every rank calls it) and returns its folder."""
+    args = trainer.args
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+    folder = files.partial_dir(args.save, iteration)
+    if rank == 0:
+        files.start(args.save, iteration)
+        (folder / "ranks").mkdir()
+        (folder / "model").mkdir()
+    dist.barrier()
+    state = _rank_state(trainer, iteration)
+    rank_path = folder / files.rank_file(state["coordinates"])
+    torch.save(state, rank_path.with_name(rank_path.name + ".tmp"))
+    rank_path.with_name(rank_path.name + ".tmp").rename(rank_path)
+    weights = trainer.dilocox.global_params(drained=True) if trainer.dilocox is not None else contextlib.nullcontext()
+    with weights:
+        dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
+    dist.barrier()
+    # Every rank hashes a share of the files; rank 0 lists them in the manifest and publishes.
+    listing = [files.list_files(folder) if rank == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    described = [None] * world
+    dist.all_gather_object(described, files.describe_files(folder, listing[0][rank::world]))
+    final = files.iteration_dir(args.save, iteration)
+    if rank == 0:
+        everything = {name: info for part in described for name, info in part.items()}
+        files.publish(args.save, iteration, _metadata(trainer, iteration), everything)
+    dist.barrier()
+    trainer.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {final} "
+                         f"({time.perf_counter() - start:.1f} s)")
+    return str(final)
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def _check_compatible(manifest: dict, path, args) -> None:
+    saved, wanted = manifest["model"], model_signature(args)
+    for flag in MODEL_FLAGS:
+        if saved.get(flag) != wanted[flag]:
+            name = "padded vocabulary size" if flag == "padded_vocab_size" else "--" + flag.replace("_", "-")
+            raise CheckpointError(f"{path}: model mismatch: {name} is {saved.get(flag)} in the checkpoint, "
+                                  f"{wanted[flag]} in this run")
+    if manifest["iteration"] > 0 and manifest["global_batch_size"] != args.global_batch_size:
+        raise CheckpointError(f"{path}: --global-batch-size is {manifest['global_batch_size']} in the checkpoint, "
+                              f"{args.global_batch_size} in this run (the data position counts global batches)")
+
+
+class Resume:
+    """A verified checkpoint about to be loaded (collective: every rank constructs it).
+
+    Call :meth:`load_weights` on the wrapped model before the optimizer is built, then
+    :meth:`restore` on the trainer.
+    """
+
+    def __init__(self, args, topo):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        error = None
+        try:
+            self.folder = files.latest(args.load)
+            self.manifest = files.read_manifest(self.folder)
+            names = sorted(self.manifest["files"])
+            files.verify(self.folder, self.manifest, names[rank::world])
+            _check_compatible(self.manifest, self.folder / files.MANIFEST, args)
+        except CheckpointError as err:
+            error = str(err)
+        _all_ranks_ok(error)
+        self.iteration = int(self.manifest["iteration"])
+        self.rank_file = files.rank_file(coordinates(args, topo))
+        exact = self.manifest.get("layout") == layout(args, topo) and self.rank_file in self.manifest["files"]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, exact)
+        if len(set(everyone)) != 1:
+            raise CheckpointError(f"{self.folder}: per-rank files exist for some ranks of this layout only")
+        self.exact = exact
+        self.dilocox = args.dilocox
+
+    def describe(self) -> str:
+        saved = self.manifest.get("layout")
+        how = ("exact resume" if self.exact else
+               "weights only (resharded from "
+               + (f"TP={saved['tensor_model_parallel_size']} PP={saved['pipeline_model_parallel_size']}, "
+                  f"{saved['world_size']} ranks" if saved else "a converted checkpoint")
+               + "); the inner optimizer" + (" and the outer state start" if self.dilocox else " starts")
+               + " fresh from them")
+        return f"> loading {self.folder} (iteration {self.iteration}): {how}"
+
+    def load_weights(self, model) -> None:
+        """Weights-only path: reads the global weights into this layout (no-op for exact resume,
+        which restores the main params themselves in :meth:`restore`)."""
+        if self.exact:
+            return
+        sharded = model_sharded_state_dict(model)
+        loaded = dist_checkpointing.load(sharded, str(self.folder / "model"))
+        for i, chunk in enumerate(model):
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+
+    def restore(self, trainer) -> None:
+        """Iteration, validation position and LR schedule; with an exact resume also the rank's state."""
+        trainer.start_iteration = self.iteration
+        trainer.eval_round = int(self.manifest.get("eval_round", 0))
+        if self.iteration > 0:
+            try:
+                trainer.scheduler.load_state_dict(self.manifest["scheduler"])
+            except AssertionError as err:  # megatron asserts that the schedule flags agree
+                raise CheckpointError(f"{self.folder / files.MANIFEST}: learning-rate schedule mismatch: {err}") from None
+        if not self.exact:
+            return
+        path = self.folder / self.rank_file
+        state = torch.load(path, weights_only=True)
+        error = None
+        try:
+            self._restore_rank(trainer, state)
+        except (ValueError, KeyError) as err:
+            error = f"{path}: cannot restore: {err}"
+        _all_ranks_ok(error)
+
+    @staticmethod
+    def _restore_rank(trainer, state: dict) -> None:
+        params = main_params(trainer.optimizer)
+        saved = state["main_params"]
+        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in saved]:
+            raise ValueError("main parameter shapes differ from this rank's")
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        for opt, opt_state in zip(leaf_optimizers(trainer.optimizer), state["optimizers"], strict=True):
+            opt.optimizer.load_state_dict(opt_state)
+        push_to_model(trainer.optimizer)
+        if (state["dilocox"] is None) != (trainer.dilocox is None):
+            raise ValueError("saved " + ("without" if state["dilocox"] is None else "with") + " --dilocox")
+        if trainer.dilocox is not None:
+            trainer.dilocox.load_state_dict(state["dilocox"])
+        trainer.window_loss.copy_(state["window_loss"])
+        _set_rng_state(state["rng"])
