@@ -1,0 +1,114 @@
+"""tools/bench_vs_allreduce.py: argument checks, and (as root) one short run over shaped links whose
+bytes match the interfaces' counters, plus teardown when a run fails or is terminated."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import REPO
+from test_wan import _namespaces, needs_netns
+
+sys.path.insert(0, str(REPO / "tools"))
+
+import bench_vs_allreduce as bench  # noqa: E402
+
+HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
+PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+            "--train-iters", "20", "--lr", "3e-3", "--split", "90,10,0"]
+
+
+def _data(ds, tmp_path) -> list[str]:
+    return ["--data-path", str(ds / "c_text_document"), "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", str(ds / "sp.model"), "--data-cache-path", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "10mbit", "--out", "o"], "flags after --"),
+    (["--rate", "10mb", "--out", "o", "--", *PRETRAIN], "--rate must look like"),
+    (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN, "--dilocox-local-steps", "5"],
+     "--dilocox-local-steps is set by the harness"),
+    (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN, "--seed=3"], "--seed is set by the harness"),
+    (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN[:-6]], "must contain --train-iters N"),
+    (["--rate", "10mbit", "--out", "o", "--methods", "allreduce,fast", "--", *PRETRAIN], "--methods: unknown fast"),
+    (["--rate", "10mbit", "--out", "o", "--local-steps", "7", "--", *PRETRAIN], "--local-steps must divide"),
+    (["--rate", "10mbit", "--out", "o", "--clusters", "3", "--", *PRETRAIN], "divisible by --clusters 3"),
+    (["--rate", "10mbit", "--out", "o", "--shaped-iters", "compute-only=5", "--", *PRETRAIN], "--shaped-iters takes"),
+    (["--rate", "10mbit", "--out", "o", "--local-steps", "5", "--shaped-iters", "dilocox-sync=12", "--", *PRETRAIN],
+     "N must be a multiple of 5"),
+    (["--rate", "10mbit", "--out", "o", "--ranks-per-cluster", "0", "--", *PRETRAIN], "--ranks-per-cluster"),
+])
+def test_argument_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(args)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("bench_vs_allreduce.py: error:") and message in last, last
+
+
+@needs_netns
+def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
+    """2 clusters x 1 rank at 20 Mbit: AllReduce, compressed DiLoCoX and compute-only, 20 iterations."""
+    out, rate = tmp_path / "bench", 20 * 10**6
+    before = _namespaces()
+    proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
+                           "--local-steps", "5", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
+                           "--methods", "compute-only,dilocox-delay-compressed,allreduce",
+                           "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _namespaces() == before
+    assert "iteration 20/20" in proc.stdout  # progress while it runs
+    result = json.loads((out / "results.json").read_text())
+    by = {r["method"]: r for r in result["methods"]}
+    assert [r["method"] for r in result["methods"]] == ["allreduce", "dilocox-delay-compressed", "compute-only"]
+    assert result["table"] in proc.stdout
+    assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "loss_vs_bytes.png").stat().st_size > 0
+    ar, dlx, alone = by["allreduce"], by["dilocox-delay-compressed"], by["compute-only"]
+    assert ar["tokens"] == dlx["tokens"] == alone["tokens"] == 20 * 8 * 64
+    assert ar["speedup_vs_allreduce"] == 1.0 and alone["fraction_of_compute_only"] == 1.0
+    assert [p["iteration"] for p in ar["curve"]] == [10, 20] == [p["iteration"] for p in alone["curve"]]
+    # The audited cross-cluster bytes (1 rank per cluster) really crossed the shaped interfaces:
+    # the counters add TCP/IP headers (~4%), rendezvous and evaluation traffic, nothing more.
+    for sent in ar["link_tx_bytes"]:
+        assert ar["cross_cluster_bytes"] <= sent <= 1.1 * ar["cross_cluster_bytes"] + 2**20, (sent, ar)
+    # ... and they were rate-limited: they cannot cross faster than the link allows.
+    assert ar["wall_s"] >= 0.9 * ar["cross_cluster_bytes"] * 8 / rate, ar
+    assert dlx["cross_cluster_bytes"] * 10 < ar["cross_cluster_bytes"]
+    assert max(alone["link_tx_bytes"]) < 64 * 1024 and alone["cross_cluster_bytes"] == 0
+
+
+def _harness_processes(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@needs_netns
+def test_teardown_on_failed_run_and_on_sigterm(tiny_dataset, tmp_path):
+    before = _namespaces()
+    # A training job that fails (pretrain_gpt.py rejects the flag) ends the harness with the log named.
+    failed = subprocess.run([*HARNESS, "--rate", "20mbit", "--ranks-per-cluster", "1", "--out", str(tmp_path / "f"),
+                             "--methods", "allreduce", "--", *PRETRAIN, "--hidden-size", "63",
+                             *_data(tiny_dataset, tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "error: command" in failed.stderr and "allreduce-c" in failed.stderr
+    assert _namespaces() == before and not _harness_processes(str(tmp_path / "f"))
+    # SIGTERM while training runs: children stopped, namespaces removed.
+    out = tmp_path / "t"
+    proc = subprocess.Popen([*HARNESS, "--rate", "20mbit", "--ranks-per-cluster", "1", "--out", str(out),
+                             "--methods", "allreduce", "--prefix", f"s{os.getpid() % 10**6}",
+                             "--", *bench._with_flag(PRETRAIN, "--train-iters", 2000), *_data(tiny_dataset, tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "allreduce.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert (out / "allreduce.jsonl").exists(), proc.communicate()[0]
+    assert f"s{os.getpid() % 10**6}-hub" in _namespaces()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _namespaces() == before and not _harness_processes(str(out))
