@@ -348,6 +348,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _require(args.dilocox_emulated_delay_s >= 0,
              f"--dilocox-emulated-delay-s must be >= 0, got {args.dilocox_emulated_delay_s}")
     if args.dilocox:
+        _require(not (args.use_distributed_optimizer and args.pipeline_model_parallel_size > 1
+                      and not args.untie_embeddings_and_output_weights),
+                 "--dilocox with --use-distributed-optimizer and --pipeline-model-parallel-size > 1 needs "
+                 "--untie-embeddings-and-output-weights (tied copies on two stages are kept equal by "
+                 "mirroring whole tensors, which a sharded optimizer does not hold)")
         try:
             dilocox_config(args).validate()
             compression_config(args).validate()

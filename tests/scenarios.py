@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node N tests/scenarios.py OUT_DIR SPEC_JSON
 
-SPEC_JSON is a list of {"name": str, "flags": [pretrain_gpt.py flags]}. Per scenario it writes
+SPEC_JSON is a list of {"name": str, "flags": [pretrain_gpt.py flags]}; a spec with
+"expect_error": true records the ConfigError setup raises (OUT_DIR/NAME.error.RANK.txt) instead
+of training, and fails if there is none. Per scenario it writes
 OUT_DIR/NAME.metrics.jsonl (the run's metrics file), OUT_DIR/NAME.params.RANK.pt (full
 parameters of the rank's pipeline stage, from TP rank 0 of each cluster's first replica) and
 OUT_DIR/NAME.info.RANK.json. Under DiLoCoX it checks after every round that the global
@@ -16,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import parse_args
+from megatron_dilocox.arguments import ConfigError, parse_args
 from megatron_dilocox.training.setup import setup
 from megatron_dilocox.training.model import gather_full_params
 from megatron.core import parallel_state
@@ -41,6 +43,15 @@ def _checked_rounds(trainer, info):
 def run(spec, out):
     name = spec["name"]
     args = parse_args(spec["flags"] + ["--metrics-file", f"{out}/{name}.metrics.jsonl"])
+    if spec.get("expect_error"):
+        try:
+            setup(args)
+        except ConfigError as err:
+            with open(f"{out}/{name}.error.{dist.get_rank()}.txt", "w") as f:
+                f.write(str(err))
+            parallel_state.destroy_model_parallel()
+            return
+        raise AssertionError(f"scenario {name}: expected a ConfigError, setup succeeded")
     trainer = setup(args)
     rank = dist.get_rank()
     info = {"hash_checks": 0}
@@ -49,6 +60,7 @@ def run(spec, out):
         _checked_rounds(trainer, info)
     trainer.train()
     info["final_val_loss"] = trainer.final_val_loss
+    info["start_iteration"] = trainer.start_iteration
     full = gather_full_params(trainer.model, tied=not args.untie_embeddings_and_output_weights)
     if parallel_state.get_tensor_model_parallel_rank() == 0 and trainer.topo.inner_dp_rank == 0:
         torch.save(full, f"{out}/{name}.params.{rank}.pt")

@@ -12,12 +12,18 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
 from megatron_dilocox.topology import Topology, device
-from megatron_dilocox.training.main_params import main_params, push_to_model, uses_distributed_optimizer
+from megatron_dilocox.training.main_params import (
+    main_params,
+    model_param_of,
+    push_to_model,
+    uses_distributed_optimizer,
+)
 
 
 def _delayed(reduce, delay_s: float):
@@ -50,6 +56,7 @@ class DiLoCoX:
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
         self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reduce, counter=self.counter)
+        self._tied_index = self._find_tied_embedding()
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
@@ -66,6 +73,33 @@ class DiLoCoX:
         dist.all_gather_object(everyone, mine, group=self.topo.outer_group)
         if len(set(everyone)) != 1:
             raise RuntimeError(f"DiLoCoX replicas start from different weights: {everyone}")
+
+    def _find_tied_embedding(self) -> int | None:
+        """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
+
+        megatron keeps the copies equal by reducing their gradients; the outer step must too,
+        but compressed (or, for C > 2, differently ordered) reductions of the two copies on
+        different stages are not bit-identical. :meth:`_mirror_tied_embedding` therefore makes
+        the last stage's copy follow the first stage's after every outer update.
+        """
+        model_of = model_param_of(self.optimizer)
+        tied = [i for i, p in enumerate(self.params) if getattr(model_of[id(p)], "shared_embedding", False)]
+        assert len(tied) <= 1 and not (tied and uses_distributed_optimizer(self.optimizer)), "refused by parse_args"
+        return tied[0] if tied else None
+
+    def _mirror_tied_embedding(self) -> None:
+        """Copies the first stage's embedding (params, base, round start) to the last stage's copy."""
+        if self._tied_index is None:
+            return
+        group = parallel_state.get_embedding_group()
+        first_stage = min(dist.get_process_group_ranks(group))  # stage 0 has the lowest rank (tp-pp-dp order)
+        i = self._tied_index
+        copies = [self.params[i], self.sync.views(self.sync.base)[i]]
+        if self.sync.round_start is not self.sync.base:
+            copies.append(self.sync.views(self.sync.round_start)[i])
+        with torch.no_grad():
+            for tensor in copies:
+                dist.broadcast(tensor, first_stage, group=group)
 
     def is_boundary(self, iteration: int) -> bool:
         return iteration == self.next_boundary
@@ -112,6 +146,7 @@ class DiLoCoX:
         """The round boundary after ``iteration``; returns the round's metrics record."""
         compute_s = time.perf_counter() - self._round_start_time
         stats = self.sync.step(iteration)
+        self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         record = self._record(stats)
         record["round_compute_s"] = compute_s
@@ -127,6 +162,7 @@ class DiLoCoX:
     def finish(self) -> dict | None:
         """Drains and applies the in-flight round, so the final model holds all work."""
         stats = self.sync.finish()
+        self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         self.sync.close()
         return None if stats is None else self._record(stats, drain=True)

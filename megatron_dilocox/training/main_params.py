@@ -18,6 +18,17 @@ def main_params(optimizer) -> list[torch.Tensor]:
     return [p for opt in leaf_optimizers(optimizer) for group in opt.optimizer.param_groups for p in group["params"]]
 
 
+def model_param_of(optimizer) -> dict[int, torch.Tensor]:
+    """``id(main param) -> model param`` (the same tensor for fp32 models; not for the
+    distributed optimizer, whose main params are shards)."""
+    pairs = {}
+    for opt in leaf_optimizers(optimizer):
+        for model_group, main_group in zip(getattr(opt, "float16_groups", []),
+                                           getattr(opt, "fp32_from_float16_groups", [])):
+            pairs.update({id(main): model for model, main in zip(model_group, main_group)})
+    return {id(p): pairs.get(id(p), p) for p in main_params(optimizer)}
+
+
 def uses_distributed_optimizer(optimizer) -> bool:
     return any(getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer
                for opt in leaf_optimizers(optimizer))

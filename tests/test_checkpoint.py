@@ -1,0 +1,196 @@
+"""Checkpoints: exact resume (vanilla, DiLoCoX sync and delay with compression), resharding,
+and bad input (tampered, truncated, missing, incompatible, killed mid-save)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from launch import REPO, free_port, read_jsonl, torchrun
+from megatron_dilocox.checkpoint import files
+
+ITERS = 8
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "3e-3",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+         "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1"]  # dropout on: RNG must resume too
+VANILLA = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DILOCOX = ["--pipeline-model-parallel-size", "2", "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", "2",
+           "--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-error-feedback"]
+# name: (flags, iteration to stop at). Delay stops mid-round, with a reduction in flight.
+RESUMED = {"vanilla": (VANILLA, 4),
+           "delay": (DILOCOX + ["--dilocox-sync-mode", "delay"], 5),
+           "sync": (DILOCOX + ["--dilocox-sync-mode", "sync"], 4)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    specs = []
+    for name, (flags, stop) in RESUMED.items():
+        stopped = ["--save", str(out / f"{name}_stop"), "--exit-interval", str(stop)]
+        specs += [{"name": f"{name}_straight", "flags": MODEL + flags + ["--save", str(out / f"{name}_final")]},
+                  {"name": f"{name}_stopped", "flags": MODEL + flags + stopped},
+                  {"name": f"{name}_resumed", "flags": MODEL + flags + ["--load", str(out / f"{name}_stop")]}]
+    # Resharding, with nothing left to train (evaluate the loaded weights): vanilla TP2/PP2 -> TP1/PP4,
+    # and the DiLoCoX run stopped with a round in flight -> vanilla TP2/PP2 (weights only) vs. an
+    # exact resume of it (which drains the round).
+    five = ["--train-iters", "5", "--load", str(out / "delay_stop")]
+    specs += [{"name": "vanilla_pp4", "flags": MODEL + ["--pipeline-model-parallel-size", "4",
+                                                        "--load", str(out / "vanilla_final")]},
+              {"name": "delay_at5_exact", "flags": MODEL + RESUMED["delay"][0] + five},
+              {"name": "delay_at5_tp2_vanilla", "flags": MODEL + VANILLA + five}]
+    (out / "spec.json").write_text(json.dumps(specs))
+    torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")], timeout=900)
+    return out
+
+
+def _metrics(out, name):
+    records = read_jsonl(out / f"{name}.metrics.jsonl")
+    return ({r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r},
+            [r["val_loss"] for r in records if "val_loss" in r])
+
+
+def _params(out, name):
+    merged = {}
+    for rank in range(4):
+        path = out / f"{name}.params.{rank}.pt"
+        if path.exists():
+            merged.update(torch.load(path))
+    return merged
+
+
+def _info(out, name, rank=3):
+    return json.loads((out / f"{name}.info.{rank}.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_resume_is_bitwise_exact(runs, name):
+    straight_loss, straight_val = _metrics(runs, f"{name}_straight")
+    stopped_loss, _ = _metrics(runs, f"{name}_stopped")
+    resumed_loss, resumed_val = _metrics(runs, f"{name}_resumed")
+    stop = RESUMED[name][1]
+    assert sorted(stopped_loss) == list(range(1, stop + 1))
+    assert sorted(resumed_loss) == list(range(stop + 1, ITERS + 1))
+    assert {**stopped_loss, **resumed_loss} == straight_loss  # float equality: bitwise
+    assert resumed_val[-1] == straight_val[-1]
+    assert _info(runs, f"{name}_resumed")["start_iteration"] == stop
+    straight, resumed = _params(runs, f"{name}_straight"), _params(runs, f"{name}_resumed")
+    assert set(straight) == set(resumed) and len(straight) > 10
+    different = [n for n in straight if not torch.equal(straight[n], resumed[n])]
+    assert not different, f"parameters differ after resuming: {different[:5]}"
+
+
+def test_checkpoint_layout_and_manifest(runs):
+    root = runs / "delay_stop"
+    assert (root / files.TRACKER).read_text().strip() == "5"
+    folder = root / "iter_0000005"
+    manifest = files.read_manifest(folder)
+    assert manifest["iteration"] == 5 and manifest["dilocox"]["outer_step"] == 2
+    ranks = sorted(n for n in manifest["files"] if n.startswith("ranks/"))
+    assert ranks == [f"ranks/c{c:02d}_tp00_pp{p:03d}_dp000.pt" for c in range(2) for p in range(2)]
+    assert any(n.startswith("model/") for n in manifest["files"])
+    files.verify(folder, manifest, manifest["files"])
+    state = torch.load(folder / ranks[0], weights_only=True)
+    sync = state["dilocox"]["sync"]
+    assert sync["pending_grad"] is not None  # the round in flight was saved, not lost
+    assert state["dilocox"]["compressor"]["residual"] is not None
+    assert not list(root.glob("*.partial"))
+
+
+def test_resharded_weights_give_the_same_validation_loss(runs):
+    # Vanilla: saved on TP2/PP2 at the end (before the final evaluation), loaded on TP1/PP4.
+    _, saved_val = _metrics(runs, "vanilla_straight")
+    _, loaded_val = _metrics(runs, "vanilla_pp4")
+    assert loaded_val[-1] == pytest.approx(saved_val[-1], rel=1e-5)
+    # DiLoCoX stopped with a round in flight: its global weights (the round applied) evaluated
+    # by an exact resume that drains, and by a vanilla TP2/PP2 run that loads only the weights.
+    _, exact_val = _metrics(runs, "delay_at5_exact")
+    _, weights_val = _metrics(runs, "delay_at5_tp2_vanilla")
+    assert weights_val[-1] == pytest.approx(exact_val[-1], rel=1e-5)
+    assert _info(runs, "delay_at5_tp2_vanilla")["start_iteration"] == 5
+
+
+def _kill_mid_save(root):
+    """Runs a 1-rank job that saves every iteration and SIGKILLs it while a save is half-written."""
+    cmd = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "200", "--save", str(root), "--save-interval", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (root / files.TRACKER).exists() and list(root.glob("*.partial/model/*")):
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        else:
+            pytest.fail("the job never started a second save")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert list(root.glob("*.partial")), "killed outside a save"
+
+
+def _corrupt(src, dst, how):
+    shutil.copytree(src, dst)
+    folder = files.latest(dst)
+    manifest = files.read_manifest(folder)
+    rank_file = folder / next(n for n in manifest["files"] if n.startswith("ranks/"))
+    if how == "flip":
+        data = bytearray(rank_file.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        rank_file.write_bytes(bytes(data))
+    elif how == "truncate":
+        model_file = max((folder / n for n in manifest["files"] if n.startswith("model/")), key=os.path.getsize)
+        model_file.write_bytes(model_file.read_bytes()[:-100])
+    elif how == "no_manifest":
+        (folder / files.MANIFEST).unlink()
+    elif how == "dangling_tracker":
+        (dst / files.TRACKER).write_text("123\n")
+    elif how == "missing":
+        rank_file.unlink()
+
+
+BAD = {
+    "flip": r"ranks/c00_tp00_pp000_dp000\.pt: sha256 differs from the manifest",
+    "truncate": r"model/.*: \d+ bytes, the manifest says \d+ \(truncated\?\)",
+    "no_manifest": r"iter_0000004/manifest\.json: missing \(incomplete checkpoint\)",
+    "dangling_tracker": r"latest_checkpointed_iteration\.txt points at iteration 123 but .*iter_0000123 does not exist",
+    "missing": r"ranks/c00_tp00_pp000_dp000\.pt: missing \(listed in the manifest\)",
+}
+
+
+def test_bad_checkpoints_fail_clearly_and_a_killed_save_keeps_the_last_one(runs, tmp_path):
+    killed = tmp_path / "killed"
+    _kill_mid_save(killed)
+    good = runs / "vanilla_stop"
+    specs = []
+    for how in BAD:
+        _corrupt(good, tmp_path / how, how)
+        specs.append({"name": how, "flags": MODEL + ["--load", str(tmp_path / how)], "expect_error": True})
+    specs.append({"name": "wider", "expect_error": True,
+                  "flags": MODEL + ["--hidden-size", "128", "--load", str(good)]})
+    last = int((killed / files.TRACKER).read_text())
+    specs.append({"name": "killed", "flags": MODEL + ["--train-iters", "200", "--load", str(killed),
+                                                      "--exit-interval", str(last + 1)]})
+    (tmp_path / "spec.json").write_text(json.dumps(specs))
+    torchrun(1, REPO / "tests" / "scenarios.py", [str(tmp_path), str(tmp_path / "spec.json")])
+    for how, pattern in BAD.items():
+        message = (tmp_path / f"{how}.error.0.txt").read_text()
+        assert re.search(pattern, message), (how, message)
+        assert "\n" not in message
+    wider = (tmp_path / "wider.error.0.txt").read_text()
+    assert "manifest.json: model mismatch: --hidden-size is 64 in the checkpoint, 128 in this run" in wider
+    # The killed job's last complete checkpoint resumes (and its half-written successor is ignored).
+    assert last >= 1 and _info(tmp_path, "killed", rank=0)["start_iteration"] == last
+    assert _metrics(tmp_path, "killed")[0].keys() == {last + 1}
