@@ -19,6 +19,7 @@ import contextlib
 import json
 import random
 import time
+from pathlib import Path
 
 import numpy
 import torch
@@ -130,41 +131,67 @@ def _rank_state(trainer, iteration: int) -> dict:
             "dilocox": None if trainer.dilocox is None else trainer.dilocox.state_dict()}
 
 
-def save(trainer, iteration: int) -> str:
-    """Writes the checkpoint of ``iteration`` (collective: every rank calls it) and returns its folder."""
-    args = trainer.args
+def _write_collectively(root, iteration: int, metadata: dict, write) -> Path:
+    """Every rank calls ``write(folder)`` into a fresh ``.partial`` folder; then the files are
+    hashed (a share per rank) and rank 0 publishes them with the manifest."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    start = time.perf_counter()
-    folder = files.partial_dir(args.save, iteration)
+    folder = files.partial_dir(root, iteration)
     if rank == 0:
-        files.start(args.save, iteration)
+        files.start(root, iteration)
         (folder / "ranks").mkdir()
         (folder / "model").mkdir()
     dist.barrier()
-    state = _rank_state(trainer, iteration)
-    rank_path = folder / files.rank_file(state["coordinates"])
-    torch.save(state, rank_path.with_name(rank_path.name + ".tmp"))
-    rank_path.with_name(rank_path.name + ".tmp").rename(rank_path)
-    weights = trainer.dilocox.global_params(drained=True) if trainer.dilocox is not None else contextlib.nullcontext()
-    with weights:
-        dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
+    write(folder)
     dist.barrier()
-    # Every rank hashes a share of the files; rank 0 lists them in the manifest and publishes.
     listing = [files.list_files(folder) if rank == 0 else None]
     dist.broadcast_object_list(listing, src=0)
     described = [None] * world
     dist.all_gather_object(described, files.describe_files(folder, listing[0][rank::world]))
-    final = files.iteration_dir(args.save, iteration)
     if rank == 0:
         everything = {name: info for part in described for name, info in part.items()}
-        files.publish(args.save, iteration, _metadata(trainer, iteration), everything)
+        files.publish(root, iteration, metadata, everything)
     dist.barrier()
+    return files.iteration_dir(root, iteration)
+
+
+def save(trainer, iteration: int) -> Path:
+    """Writes the training checkpoint of ``iteration`` (collective: every rank calls it)."""
+    start = time.perf_counter()
+
+    def write(folder):
+        state = _rank_state(trainer, iteration)
+        rank_path = folder / files.rank_file(state["coordinates"])
+        torch.save(state, rank_path.with_name(rank_path.name + ".tmp"))
+        rank_path.with_name(rank_path.name + ".tmp").rename(rank_path)
+        dilocox = trainer.dilocox
+        with dilocox.global_params(drained=True) if dilocox is not None else contextlib.nullcontext():
+            dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
+
+    final = _write_collectively(trainer.args.save, iteration, _metadata(trainer, iteration), write)
     trainer.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {final} "
                          f"({time.perf_counter() - start:.1f} s)")
-    return str(final)
+    return final
+
+
+def save_weights(model, args, root, source: str) -> Path:
+    """A weights-only checkpoint at iteration 0 (e.g. converted from another format); it loads
+    into any layout like a resharded training checkpoint."""
+    metadata = {"kind": "weights", "source": source, "iteration": 0, "eval_round": 0,
+                "model": model_signature(args), "layout": None, "dilocox": None,
+                "args": json.loads(json.dumps(vars(args), default=str)),
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return _write_collectively(root, 0, metadata, lambda folder: dist_checkpointing.save(
+        model_sharded_state_dict(model), str(folder / "model")))
 
 
 # -- load ----------------------------------------------------------------------------------------
+
+
+def load_weights(model, folder) -> None:
+    """Reads a checkpoint's global weights into this rank's model chunks, whatever its layout."""
+    loaded = dist_checkpointing.load(model_sharded_state_dict(model), str(Path(folder) / "model"))
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded[f"model{i}"])
 
 
 def _check_compatible(manifest: dict, path, args) -> None:
@@ -221,12 +248,8 @@ class Resume:
     def load_weights(self, model) -> None:
         """Weights-only path: reads the global weights into this layout (no-op for exact resume,
         which restores the main params themselves in :meth:`restore`)."""
-        if self.exact:
-            return
-        sharded = model_sharded_state_dict(model)
-        loaded = dist_checkpointing.load(sharded, str(self.folder / "model"))
-        for i, chunk in enumerate(model):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
+        if not self.exact:
+            load_weights(model, self.folder)
 
     def restore(self, trainer) -> None:
         """Iteration, validation position and LR schedule; with an exact resume also the rank's state."""

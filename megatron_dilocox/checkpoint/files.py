@@ -112,9 +112,9 @@ def latest(root) -> Path:
     root = Path(root)
     tracker = root / TRACKER
     if not root.is_dir():
-        raise CheckpointError(f"--load {root}: no such directory")
+        raise CheckpointError(f"{root}: no such directory")
     if not tracker.is_file():
-        raise CheckpointError(f"--load {root}: no {TRACKER} (not a checkpoint directory, "
+        raise CheckpointError(f"{root}: no {TRACKER} (not a checkpoint directory, "
                               "or no save has completed yet)")
     text = tracker.read_text().strip()
     if not text.isdigit():

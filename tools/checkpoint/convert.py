@@ -1,0 +1,169 @@
+"""Convert checkpoints to and from Hugging Face ``transformers`` (one CPU process, any layout).
+
+    python tools/checkpoint/convert.py to-hf --load CKPT_DIR --save HF_DIR [--check-logits]
+    python tools/checkpoint/convert.py from-hf --load HF_DIR --save CKPT_DIR
+
+``to-hf`` takes the global weights of a checkpoint (the latest one, or ``--iteration N``; under
+DiLoCoX: the outer parameters) and writes a ``LlamaForCausalLM`` when the run used RoPE, RMSNorm
+and SwiGLU, a ``GPT2LMHeadModel`` when it used learned positions, LayerNorm and GELU
+(``save_pretrained``, safetensors). ``--check-logits`` reloads the written folder with
+``from_pretrained`` and prints the largest logit difference to our model on random tokens.
+
+``from-hf`` writes a weights-only checkpoint at iteration 0 that ``pretrain_gpt.py --load``
+reads into any TP/PP layout; it prints the model flags the run must use.
+"""
+
+import os
+import sys
+
+# This folder holds inspect.py, which would shadow the standard library's inspect module (used by
+# torch) for every script started from here: take the script's folder off the import path.
+sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def _fail(message: str):
+    sys.exit(f"convert.py: error: {message}")
+
+
+def _single_process_world():
+    """A 1-rank gloo world with megatron at TP1/PP1 (checkpoint I/O is collective)."""
+    from megatron_dilocox.platform import cpu
+
+    cpu.install()
+    import torch.distributed as dist
+
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_dilocox.topology import build_topology
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    build_topology(1, 1, None)
+    model_parallel_cuda_manual_seed(0)  # megatron builds layers under its RNG tracker
+
+
+def _build_model(args, vocab_size: int):
+    from megatron_dilocox.training.model import build_gpt_chunks, transformer_config
+
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.virtual_pipeline_model_parallel_size = None
+    args.sequence_parallel = args.bf16 = False
+    (chunk,) = build_gpt_chunks(args, transformer_config(args), vocab_size)
+    return chunk.eval()
+
+
+def _args_from_manifest(manifest: dict) -> argparse.Namespace:
+    from megatron_dilocox.arguments import build_parser
+
+    defaults = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
+    return argparse.Namespace(**{**defaults, **manifest["args"]})
+
+
+def _our_logits(chunk, tokens):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return chunk(tokens, positions, None).float()
+
+
+def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dilocox.checkpoint import files, hf
+    from megatron_dilocox.checkpoint.checkpointing import load_weights
+    from megatron_dilocox.training.model import gather_full_params
+
+    folder = files.iteration_dir(load, iteration) if iteration is not None else files.latest(load)
+    manifest = files.read_manifest(folder)
+    files.verify(folder, manifest, sorted(manifest["files"]))
+    args = _args_from_manifest(manifest)
+    vocab = manifest["model"]["padded_vocab_size"]
+    family = hf.hf_family(args)
+    _single_process_world()
+    chunk = _build_model(args, vocab)
+    load_weights([chunk], folder)
+    tied = not args.untie_embeddings_and_output_weights
+    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), args, vocab)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state_dict, strict=True)
+    out = Path(save)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    print(f"> wrote {family} model ({model.num_parameters():,} parameters) from {folder} (iteration {manifest['iteration']}) to {out}")
+    if check_logits:
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        tokens = torch.randint(0, vocab, (2, min(64, args.seq_length)), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            theirs = reloaded(tokens).logits.float()
+        print(f"> logits check on {tuple(tokens.shape)} random tokens: max abs difference "
+              f"{(theirs - _our_logits(chunk, tokens)).abs().max().item():.3e}")
+
+
+def from_hf(load: str, save: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_dilocox.arguments import padded_vocab_size, parse_args
+    from megatron_dilocox.checkpoint import hf
+    from megatron_dilocox.checkpoint.checkpointing import save_weights
+
+    config = AutoConfig.from_pretrained(load)
+    params, flags = hf.from_hf(AutoModelForCausalLM.from_pretrained(load, dtype=torch.float32), config)
+    model_flags = hf.as_argv({k: v for k, v in flags.items() if k != "vocab_size"})
+    args = parse_args(model_flags + [
+        "--seq-length", str(flags["max_position_embeddings"]), "--micro-batch-size", "1", "--train-iters", "1",
+        "--lr", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(flags["vocab_size"])])
+    args.padded_vocab_size = padded_vocab_size(flags["vocab_size"], args)
+    _single_process_world()
+    chunk = _build_model(args, args.padded_vocab_size)
+    ours = dict(chunk.named_parameters())
+    if set(ours) != set(params):
+        _fail(f"{load}: converted names do not match the model: {sorted(set(ours) ^ set(params))[:5]}")
+    with torch.no_grad():
+        for name, param in ours.items():
+            param.copy_(params[name])
+    folder = save_weights([chunk], args, save, source=f"huggingface:{os.path.abspath(load)}")
+    print(f"> wrote a weights-only checkpoint to {folder}")
+    print("> train or evaluate it with these model flags (plus your layout, data and training flags):")
+    print("  " + " ".join(model_flags) + f" --load {save}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    out = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face folder")
+    out.add_argument("--load", required=True, help="checkpoint directory (the one --save wrote)")
+    out.add_argument("--save", required=True, help="Hugging Face output folder (replaced if it exists)")
+    out.add_argument("--iteration", type=int, default=None, help="convert iter_N instead of the latest")
+    out.add_argument("--check-logits", action="store_true", help="compare logits after writing")
+    into = sub.add_parser("from-hf", help="Hugging Face folder -> our weights-only checkpoint")
+    into.add_argument("--load", required=True, help="Hugging Face folder (config.json + weights)")
+    into.add_argument("--save", required=True, help="checkpoint directory to write")
+    args = parser.parse_args(argv)
+    from megatron_dilocox.arguments import ConfigError
+
+    try:
+        if args.direction == "to-hf":
+            to_hf(args.load, args.save, args.iteration, args.check_logits)
+        else:
+            if not os.path.isfile(os.path.join(args.load, "config.json")):
+                _fail(f"--load {args.load}: no config.json (not a Hugging Face model folder)")
+            from_hf(args.load, args.save)
+    except ConfigError as err:
+        _fail(str(err))
+    return 0
+
+
+if __name__ == "__main__":  # the guard is needed: checkpoint writers start spawn processes
+    sys.exit(main())
