@@ -24,6 +24,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 VANILLA = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 DILOCOX = ["--pipeline-model-parallel-size", "2", "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", "2",
            "--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-error-feedback"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--num-query-groups", "2"]
 # name: (flags, iteration to stop at). Delay stops mid-round, with a reduction in flight.
 RESUMED = {"vanilla": (VANILLA, 4),
            "delay": (DILOCOX + ["--dilocox-sync-mode", "delay"], 5),
@@ -46,7 +48,8 @@ def runs(tmp_path_factory):
     specs += [{"name": "vanilla_pp4", "flags": MODEL + ["--pipeline-model-parallel-size", "4",
                                                         "--load", str(out / "vanilla_final")]},
               {"name": "delay_at5_exact", "flags": MODEL + RESUMED["delay"][0] + five},
-              {"name": "delay_at5_tp2_vanilla", "flags": MODEL + VANILLA + five}]
+              {"name": "delay_at5_tp2_vanilla", "flags": MODEL + VANILLA + five},
+              {"name": "llama_straight", "flags": MODEL + LLAMA + VANILLA + ["--save", str(out / "llama_final")]}]
     (out / "spec.json").write_text(json.dumps(specs))
     torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")], timeout=900)
     return out
@@ -194,3 +197,87 @@ def test_bad_checkpoints_fail_clearly_and_a_killed_save_keeps_the_last_one(runs,
     # The killed job's last complete checkpoint resumes (and its half-written successor is ignored).
     assert last >= 1 and _info(tmp_path, "killed", rank=0)["start_iteration"] == last
     assert _metrics(tmp_path, "killed")[0].keys() == {last + 1}
+
+
+def _tool(*argv):
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _hf_params(folder):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_dilocox.checkpoint import hf
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model, hf.from_hf(model, AutoConfig.from_pretrained(folder))[0]
+
+
+FAMILIES = {"vanilla": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def converted(runs):
+    """Each family's final checkpoint exported to Hugging Face (with the tool's logits check) and
+    imported back as a weights-only checkpoint: {name: (hf folder, to-hf output, our folder)}."""
+    result = {}
+    for name in FAMILIES:
+        exported, ours = runs / f"{name}_hf", runs / f"{name}_from_hf"
+        printed = _tool("tools/checkpoint/convert.py", "to-hf", "--load", str(runs / f"{name}_final"),
+                        "--save", str(exported), "--check-logits")
+        imported = _tool("tools/checkpoint/convert.py", "from-hf", "--load", str(exported), "--save", str(ours))
+        assert f"--load {ours}" in imported
+        result[name] = (exported, printed, ours)
+    return result
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_export_loads_in_transformers_with_our_logits_and_weights(runs, converted, name):
+    exported, printed, _ = converted[name]
+    diff = float(re.search(r"max abs difference (\S+)", printed).group(1))
+    assert diff < 1e-4, printed
+    model, params = _hf_params(exported)
+    assert type(model).__name__ == FAMILIES[name]
+    trained = _params(runs, f"{name}_straight")  # the weights the run ended with, which it saved
+    assert set(params) == set(trained)
+    assert all(torch.equal(params[n], trained[n]) for n in trained)
+
+
+def test_import_round_trips_bit_for_bit(converted, tmp_path):
+    exported, _, ours = converted["llama"]
+    report = json.loads(_tool("tools/checkpoint/inspect.py", str(ours), "--json"))
+    assert report["kind"] == "weights" and report["layout"] is None
+    assert all(f["status"] == "OK" for f in report["files"].values())
+    _tool("tools/checkpoint/convert.py", "to-hf", "--load", str(ours), "--save", str(tmp_path / "again"))
+    _, before = _hf_params(exported)
+    _, after = _hf_params(tmp_path / "again")
+    assert set(before) == set(after) and all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_imported_model_trains_on_in_another_layout(runs, converted, tmp_path):
+    ours = converted["llama"][2]
+    spec = [{"name": "trains_on", "flags": MODEL + LLAMA + ["--pipeline-model-parallel-size", "2", "--load", str(ours)]}]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    torchrun(2, REPO / "tests" / "scenarios.py", [str(tmp_path), str(tmp_path / "spec.json")])
+    losses, _ = _metrics(tmp_path, "trains_on")
+    straight, _ = _metrics(runs, "llama_straight")
+    assert sorted(losses) == list(range(1, ITERS + 1))  # a converted checkpoint starts at iteration 0
+    # It starts from the trained weights (the original run's first step started from the init) and learns.
+    assert losses[1] < straight[1] - 0.1
+    assert losses[ITERS] < losses[1]
+
+
+def test_inspect_reports_a_tampered_file(runs, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(runs / "delay_stop", copy)
+    report = json.loads(_tool("tools/checkpoint/inspect.py", str(copy), "--json"))
+    assert report["outer_state"]["round_in_flight"] is True
+    assert report["dilocox"]["sync_mode"] == "delay"
+    victim = copy / "iter_0000005" / "ranks" / "c01_tp00_pp001_dp000.pt"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"x")
+    proc = subprocess.run([sys.executable, "tools/checkpoint/inspect.py", str(copy)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "FAILED" in proc.stdout and "c01_tp00_pp001_dp000.pt: sha256 differs" in proc.stdout
