@@ -157,6 +157,9 @@ def _dilocox_args(parser):
                    help="Outer SGD momentum.")
     g.add_argument("--dilocox-no-nesterov", action="store_false", dest="dilocox_nesterov",
                    help="Plain momentum instead of Nesterov in the outer SGD.")
+    g.add_argument("--dilocox-offload-outer-state", action="store_true",
+                   help="Keep the outer state (fp32 base, momentum, residuals) in pinned CPU memory and stage "
+                        "the cross-cluster exchange through it over gloo (saves GPU memory; no-op on CPU).")
     g.add_argument("--dilocox-outer-timeout-s", type=float, default=defaults.outer_timeout_s,
                    help="Seconds a round waits for the cross-cluster reduction before failing.")
     comp = CompressionConfig()
@@ -191,6 +194,7 @@ def dilocox_config(args) -> DiLoCoXConfig:
         outer_momentum=args.dilocox_outer_momentum,
         nesterov=args.dilocox_nesterov,
         outer_timeout_s=args.dilocox_outer_timeout_s,
+        offload_outer_state=args.dilocox_offload_outer_state,
     )
 
 

@@ -47,6 +47,12 @@ class DiLoCoXConfig:
     nesterov: bool = True
     """Use Nesterov momentum in the outer SGD; ``--dilocox-no-nesterov`` turns it off."""
 
+    offload_outer_state: bool = False
+    """Keep the outer state (fp32 base, round start, momentum, the in-flight result; with
+    compression also its warm starts and residuals) in pinned host memory instead of GPU memory;
+    the pseudo-gradient is staged through it and the exchange runs over gloo on CPU tensors.
+    No effect without CUDA (the state is in host memory anyway). ``--dilocox-offload-outer-state``."""
+
     outer_timeout_s: float = 3600.0
     """Seconds a round boundary waits for the cross-cluster reduction before failing
     (a dead peer cluster must not hang training forever). ``--dilocox-outer-timeout-s``."""

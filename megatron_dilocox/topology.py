@@ -53,24 +53,26 @@ def init_distributed(backend: str, timeout_minutes: int) -> None:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-def _new_groups(rank_lists, timeout=None):
+def _new_groups(rank_lists, timeout=None, backend=None):
     """Creates every group in ``rank_lists`` (all ranks must call this alike) and returns
     the one containing this rank, or None."""
     mine = None
     me = dist.get_rank()
     for ranks in rank_lists:
-        group = dist.new_group(ranks=ranks, timeout=timeout)
+        group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
         if me in ranks:
             mine = group
     return mine
 
 
 def build_topology(tp: int, pp: int, vpp: int | None, clusters: int = 1, dilocox: bool = False,
-                   outer_timeout_s: float = 3600.0) -> Topology:
+                   outer_timeout_s: float = 3600.0, outer_backend: str | None = None) -> Topology:
     """Initialises megatron-core's parallel state and, for DiLoCoX, the cluster/outer groups.
 
     Must be called by every rank with the same arguments, after :func:`init_distributed`.
     Without ``dilocox`` the clusters only say which traffic counts as cross-cluster.
+    ``outer_backend``: backend of the outer groups (default: the world's), e.g. ``"gloo"``
+    for an exchange staged through host memory.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     assert world % (tp * pp * clusters) == 0, "checked by arguments.validate_world"
@@ -103,8 +105,8 @@ def build_topology(tp: int, pp: int, vpp: int | None, clusters: int = 1, dilocox
         pgc.intra_dist_opt = cluster_group
         outer_ranks = [[k * cluster_size + r for k in range(clusters)] for r in range(cluster_size)]
         timeout = datetime.timedelta(seconds=outer_timeout_s)
-        outer_group = _new_groups(outer_ranks, timeout)
-        outer_reduce_group = _new_groups(outer_ranks, timeout)
+        outer_group = _new_groups(outer_ranks, timeout, outer_backend)
+        outer_reduce_group = _new_groups(outer_ranks, timeout, outer_backend)
     return Topology(
         clusters=clusters,
         cluster_size=cluster_size,

@@ -315,6 +315,23 @@ def test_drained_base_previews_finish_without_changing_state():
     assert torch.equal(preview, sync.base)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves the outer state off a GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_offloaded_outer_state_lives_in_pinned_host_memory_and_changes_nothing(mode):
+    results = []
+    for offload in (False, True):
+        params = [p.cuda() for p in toy_init()]
+        sync = OuterSync(params, None, config(mode, clusters=1, offload_outer_state=offload))
+        for r in range(ROUNDS):
+            local_steps(params, [[t.cuda() for t in part] for part in toy_data(0)], H)
+            sync.step(r)
+        assert sync.base.is_cuda != offload and sync.base.is_pinned() == offload
+        sync.finish()
+        sync.close()
+        results.append([p.cpu() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_timeout_names_the_flag():
     params = toy_init()
     sync = OuterSync(params, None, config("sync", clusters=1, outer_timeout_s=0.1),

@@ -175,10 +175,10 @@ class OuterSync:
         self.counter = counter if counter is not None else ByteCounter()
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
         with torch.no_grad():
-            self.base = torch.cat([p.detach().reshape(-1) for p in self.params])
+            self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
         # sync and delay-naive always start a round from base: share the buffer.
-        self.round_start = self.base.clone() if config.sync_mode == "delay" else self.base
+        self.round_start = self._state_tensor(self.base, copy=True) if config.sync_mode == "delay" else self.base
         self.optimizer = OuterNesterov(
             [self.base], config.outer_lr, config.outer_momentum, config.nesterov
         )
@@ -194,8 +194,7 @@ class OuterSync:
         self.outer_step += 1
         self._iteration = iteration
         mode = self.config.sync_mode
-        delta = torch.empty_like(self.base)
-        torch.cat([p.detach().reshape(-1) for p in self.params], out=delta)
+        delta = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         torch.sub(self.round_start, delta, out=delta)
         sq = float(torch.dot(delta, delta))
         local_ok = bool(torch.isfinite(delta).all())
@@ -319,6 +318,14 @@ class OuterSync:
         return views
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _state_tensor(self, flat: torch.Tensor, copy: bool) -> torch.Tensor:
+        """``flat`` where the outer state lives: next to the params, or in pinned host memory
+        with ``offload_outer_state`` on a GPU (that copy is the staging step). ``copy``: never
+        return ``flat`` itself."""
+        if self.config.offload_outer_state and torch.cuda.is_available():
+            return torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+        return flat.clone() if copy else flat
 
     def _write_params(self, flat: torch.Tensor) -> None:
         for p, v in zip(self.params, self.views(flat)):

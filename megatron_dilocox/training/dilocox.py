@@ -99,7 +99,9 @@ class DiLoCoX:
             copies.append(self.sync.views(self.sync.round_start)[i])
         with torch.no_grad():
             for tensor in copies:
-                dist.broadcast(tensor, first_stage, group=group)
+                staged = tensor.to(device())  # the outer state may live in host memory
+                dist.broadcast(staged, first_stage, group=group)
+                tensor.copy_(staged)
 
     def is_boundary(self, iteration: int) -> bool:
         return iteration == self.next_boundary

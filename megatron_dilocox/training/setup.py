@@ -75,9 +75,10 @@ def setup(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_distributed(backend, args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
+    staged = args.dilocox_offload_outer_state and torch.cuda.is_available()
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox,
-                          args.dilocox_outer_timeout_s)
+                          args.dilocox_outer_timeout_s, outer_backend="gloo" if staged else None)
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
