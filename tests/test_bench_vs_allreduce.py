@@ -42,6 +42,8 @@ def _data(ds, tmp_path) -> list[str]:
     (["--rate", "10mbit", "--out", "o", "--local-steps", "5", "--shaped-iters", "dilocox-sync=12", "--", *PRETRAIN],
      "N must be a multiple of 5"),
     (["--rate", "10mbit", "--out", "o", "--ranks-per-cluster", "0", "--", *PRETRAIN], "--ranks-per-cluster"),
+    (["--rate", "10mbit", "--out", "o", "--compression-args", "--dilocox-outer-lr 2", "--", *PRETRAIN],
+     "--compression-args takes only codec flags"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:

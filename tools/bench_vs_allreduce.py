@@ -8,8 +8,10 @@ uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or erro
 
 - ``allreduce``: vanilla megatron, gradients reduced across all clusters every step;
 - ``dilocox-sync``, ``dilocox-delay``: DiLoCoX without compression, blocking / one-step delay;
-- ``dilocox-delay-compressed`` (``--dilocox-adaptive``: ``...-adaptive``): delay with the default
-  low-rank + quantized pseudo-gradients;
+- ``dilocox-delay-compressed``: delay with compressed pseudo-gradients (``--compression-args``,
+  default: the product's default codec, rank-8 low-rank with 8-bit factors);
+- ``dilocox-delay-compressed-adaptive``: delay, low-rank + quantized with the adaptive rank
+  (``--dilocox-adaptive``);
 - ``compute-only``: each cluster trains alone as its own torchrun job (world = its ranks, its
   share of the global batch), all clusters at once: no cross-cluster exchange at all.
 
@@ -27,6 +29,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,14 +46,16 @@ DILOCOX = ["--dilocox"]
 METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters)
     "compute-only": ("compute-only", None),
     "dilocox-delay-compressed": ("DiLoCoX delay+comp", DILOCOX + ["--dilocox-sync-mode", "delay"]),
-    "dilocox-delay-compressed-adaptive": ("DiLoCoX delay+comp adapt.",
-                                          DILOCOX + ["--dilocox-sync-mode", "delay", "--dilocox-adaptive"]),
+    "dilocox-delay-compressed-adaptive": ("DiLoCoX delay+comp adapt.", DILOCOX + [
+        "--dilocox-sync-mode", "delay", "--dilocox-compression", "lowrank-quantize", "--dilocox-adaptive"]),
     "dilocox-delay": ("DiLoCoX delay", DILOCOX + ["--dilocox-sync-mode", "delay", "--dilocox-compression", "none"]),
     "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
     "allreduce": ("AllReduce", []),
 }
 OWNED = ("--dilocox", "--metrics-file", "--log-interval", "--eval-interval", "--eval-iters", "--seed")
 NEEDED = ("--train-iters", "--global-batch-size", "--seq-length")
+CODEC_FLAGS = ("--dilocox-compression", "--dilocox-quant-", "--dilocox-rank", "--dilocox-min-rank",
+               "--dilocox-error-feedback", "--dilocox-ef-decay")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
     p.add_argument("--local-steps", type=int, default=10, help="H for every DiLoCoX method")
     p.add_argument("--outer-lr", type=float, help="--dilocox-outer-lr (default: the product's)")
-    p.add_argument("--outer-momentum", type=float, help="--dilocox-outer-momentum (default: the product's)")
+    p.add_argument("--outer-momentum", type=float,
+                   help="--dilocox-outer-momentum (default: the product's); 0 = plain outer SGD, no Nesterov")
+    p.add_argument("--compression-args", default="",
+                   help="codec flags for dilocox-delay-compressed, e.g. --compression-args='--dilocox-compression "
+                        "quantize --dilocox-quant-bits 4' (default: the product's default codec)")
     p.add_argument("--shaped-iters", action="append", default=[], metavar="METHOD=N",
                    help="loss from a full unshaped run, throughput from N iterations over the shaped link")
     p.add_argument("--eval-interval", type=int, default=50)
@@ -125,6 +134,10 @@ def check_args(parser, args) -> dict:
         parser.error(f"--global-batch-size {gbs} must be divisible by --clusters {args.clusters}")
     if args.eval_interval < 1 or args.eval_iters < 1:
         parser.error("--eval-interval and --eval-iters must be >= 1")
+    compression = shlex.split(args.compression_args)
+    for item in compression:
+        if item.startswith("--") and not item.startswith(CODEC_FLAGS):
+            parser.error(f"--compression-args takes only codec flags ({', '.join(CODEC_FLAGS)}), got {item}")
     shaped = {}
     for item in args.shaped_iters:
         name, sep, n = item.partition("=")
@@ -134,7 +147,8 @@ def check_args(parser, args) -> dict:
         if int(n) < 3 * unit or int(n) % unit or int(n) > iters:
             parser.error(f"--shaped-iters {item}: N must be a multiple of {unit}, at least {3 * unit}, at most {iters}")
         shaped[name] = int(n)
-    return dict(pretrain=pretrain, iters=iters, gbs=gbs, seq=values["--seq-length"], methods=methods, shaped=shaped)
+    return dict(pretrain=pretrain, iters=iters, gbs=gbs, seq=values["--seq-length"], methods=methods, shaped=shaped,
+                compression=compression)
 
 
 class Bench:
@@ -160,6 +174,10 @@ class Bench:
             for flag, value in (("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
                 if value is not None:
                     flags += [flag, str(value)]
+            if a.outer_momentum == 0:  # plain outer SGD: Nesterov needs momentum
+                flags += ["--dilocox-no-nesterov"]
+            if method == "dilocox-delay-compressed":
+                flags += self.cfg["compression"]
         return flags
 
     def _launch(self, name: str, cmds: list[list[str]], metrics: list[Path], shaped: bool, iters: int) -> dict:
@@ -361,8 +379,9 @@ def main(argv=None) -> int:
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps, outer_lr=args.outer_lr,
-                 outer_momentum=args.outer_momentum, seed=args.seed, pretrain_flags=cfg["pretrain"],
-                 harness_command=" ".join([sys.executable, *sys.argv]))
+                 outer_momentum=args.outer_momentum, compression_args=args.compression_args, seed=args.seed,
+                 pretrain_flags=cfg["pretrain"],
+                 harness_command=shlex.join([sys.executable, *sys.argv]))
     print(f"> {args.clusters} clusters x {args.ranks_per_cluster} ranks, every cluster link shaped to {args.rate} "
           f"(namespaces {args.prefix}-*); {cfg['iters']} iterations x {cfg['gbs']} x {cfg['seq']} tokens; "
           f"load average {setup['load_before'][0]:.1f}", flush=True)
