@@ -39,6 +39,10 @@ def assert_one_line_error(proc, *needles):
     (["--dilocox", "--dilocox-rank", "4", "--dilocox-min-rank", "6"], ["--dilocox-min-rank", "--dilocox-rank"]),
     (["--dilocox", "--dilocox-rank-energy", "1.5"], ["--dilocox-rank-energy"]),
     (["--sequence-parallel"], ["--sequence-parallel"]),
+    (["--save-interval", "10"], ["--save-interval needs --save"]),
+    (["--load", "/nonexistent/ckpt"], ["--load", "/nonexistent/ckpt"]),
+    (["--dilocox", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
+     ["--untie-embeddings-and-output-weights"]),
     (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "/nonexistent.model"], ["/nonexistent.model"]),
 ])
 def test_bad_flags(extra, needles):
