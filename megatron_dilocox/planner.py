@@ -271,6 +271,10 @@ class Machine:
     """CPU mode: achieved matmul GFLOP/s of one single-threaded process (measured)."""
     cpu_gflops_all_threads: float = 0.0
     """CPU mode: achieved matmul GFLOP/s of one process using all cores' threads (measured)."""
+    cpu_efficiency: float = 1.0
+    """CPU mode: the share of those GFLOP/s a training step achieves. Everything that is not a
+    matmul (norms, softmax, element-wise ops, optimizer, Python) as one constant share of the
+    time, fitted to one measured run by tools/calibrate_planner.py."""
 
 
 OUTER_BYTES_PER_PARAM = {"delay": 20, "delay-naive": 20, "sync": 16}
@@ -414,10 +418,10 @@ def step_time(m: ModelShape, lay: Layout, mach: Machine, clusters: int, dp_in: i
     ``(m - 1) max_k tau_k + sum_k tau_k``, which is ``m tau (1 + (PP - 1) / m)`` for equal
     stages. Then the data-parallel all-reduce of the fp32 gradients, not overlapped.
 
-    CPU mode (``mach.cpu_cores``): the rate is ``cpu_gflops_all_threads`` for a single process
-    and ``cpu_gflops_1thread`` otherwise (torchrun sets OMP_NUM_THREADS=1 for several processes
-    per node), and all clusters' processes share the cores, so the matmul part also takes at
-    least (matmul seconds of every process) / cores.
+    CPU mode (``mach.cpu_cores``): the rate is ``cpu_efficiency`` x ``cpu_gflops_all_threads`` for
+    a single process and x ``cpu_gflops_1thread`` otherwise (torchrun sets OMP_NUM_THREADS=1 for
+    several processes per node), and all clusters' processes share the cores, so the compute
+    also takes at least (compute seconds of every process) / cores.
     """
     tp, pp, b, s, h = lay.tp, lay.pp, lay.micro_batch_size, m.seq_length, m.hidden_size
     act_bytes = 2 if lay.bf16 else 4
@@ -427,7 +431,9 @@ def step_time(m: ModelShape, lay: Layout, mach: Machine, clusters: int, dp_in: i
         if mach.cpu_gflops_1thread <= 0 or mach.cpu_gflops_all_threads <= 0:
             raise ValueError("CPU mode needs --cpu-gflops ONE_THREAD ALL_THREADS (measure with "
                              "tools/calibrate_planner.py, which prints them)")
-        rate = 1e9 * (mach.cpu_gflops_all_threads if processes == 1 else mach.cpu_gflops_1thread)
+        if not 0 < mach.cpu_efficiency <= 1:
+            raise ValueError(f"--cpu-efficiency must be in (0, 1], got {mach.cpu_efficiency}")
+        rate = 1e9 * mach.cpu_efficiency * (mach.cpu_gflops_all_threads if processes == 1 else mach.cpu_gflops_1thread)
     else:
         rate = 1e12 * mach.gpu_tflops
     intra_bw, tp_bw = gbps_to_bytes_per_s(mach.intra_bandwidth_gbps), gbps_to_bytes_per_s(mach.tp_bandwidth_gbps)

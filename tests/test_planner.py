@@ -1,6 +1,8 @@
 """Planner arithmetic (megatron_dilocox/planner.py, tools/plan.py) against hand sums and measurements."""
 import math
 
+import pytest
+
 from megatron_dilocox import planner as pl
 
 # The quickstart model (examples/quickstart_gpt.sh): 4 layers, hidden 256, 4 heads, ffn 4h,
@@ -143,6 +145,12 @@ def test_step_time_cpu_mode_by_hand():
     lay = pl.Layout(micro_batch_size=4, global_batch_size=16)
     p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), one)
     assert math.isclose(p.step["total"], per_token * tokens / 16e9)  # one process: all threads
+    half = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
+                      cpu_efficiency=0.5)
+    assert math.isclose(pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), half).step["total"], 2 * p.step["total"])
+    with pytest.raises(ValueError, match="--cpu-efficiency"):
+        pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), pl.Machine(gpus_per_cluster=1, cpu_cores=2,
+                cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0, cpu_efficiency=1.5))
     # 2 clusters x PP2 on 4 single-threaded processes sharing 2 cores: the cores bound wins
     four = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                       intra_bandwidth_gbps=8.0)
