@@ -162,6 +162,8 @@ class Bench:
     def _flags(self, method: str, iters: int, metrics: Path, evaluate: bool) -> list[str]:
         a = self.args
         flags = _with_flag(self.cfg["pretrain"], "--train-iters", iters)
+        if iters != self.cfg["iters"] and _flag_value(flags, "--lr-decay-iters") is None:
+            flags += ["--lr-decay-iters", str(self.cfg["iters"])]  # a short run keeps the full run's schedule
         flags += ["--seed", str(a.seed), "--log-interval", "1", "--metrics-file", str(metrics),
                   "--eval-interval", str(a.eval_interval if evaluate else iters),
                   "--eval-iters", str(a.eval_iters if evaluate else 0)]
