@@ -20,7 +20,7 @@ import bench_vs_allreduce as bench  # noqa: E402
 HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
 PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-            "--train-iters", "20", "--lr", "3e-3", "--split", "90,10,0"]
+            "--train-iters", "20", "--lr", "3e-3", "--lr-warmup-iters", "5", "--split", "90,10,0"]
 
 
 def _data(ds, tmp_path) -> list[str]:
@@ -34,7 +34,7 @@ def _data(ds, tmp_path) -> list[str]:
     (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN, "--dilocox-local-steps", "5"],
      "--dilocox-local-steps is set by the harness"),
     (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN, "--seed=3"], "--seed is set by the harness"),
-    (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN[:-6]], "must contain --train-iters N"),
+    (["--rate", "10mbit", "--out", "o", "--", *PRETRAIN[:-8]], "must contain --train-iters N"),
     (["--rate", "10mbit", "--out", "o", "--methods", "allreduce,fast", "--", *PRETRAIN], "--methods: unknown fast"),
     (["--rate", "10mbit", "--out", "o", "--local-steps", "7", "--", *PRETRAIN], "--local-steps must divide"),
     (["--rate", "10mbit", "--out", "o", "--clusters", "3", "--", *PRETRAIN], "divisible by --clusters 3"),
@@ -55,12 +55,14 @@ def test_argument_errors(args, message, capsys):
 
 @needs_netns
 def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
-    """2 clusters x 1 rank at 20 Mbit: AllReduce, compressed DiLoCoX and compute-only, 20 iterations."""
+    """2 clusters x 1 rank at 20 Mbit, 20 iterations: AllReduce, compressed DiLoCoX and compute-only
+    measured, DiLoCoX sync projected from 15 shaped iterations (shorter than the lr warm-up)."""
     out, rate = tmp_path / "bench", 20 * 10**6
     before = _namespaces()
     proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
                            "--local-steps", "5", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
-                           "--methods", "compute-only,dilocox-delay-compressed,allreduce",
+                           "--methods", "compute-only,dilocox-delay-compressed,dilocox-sync,allreduce",
+                           "--shaped-iters", "dilocox-sync=15",
                            "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -68,7 +70,11 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     assert "iteration 20/20" in proc.stdout  # progress while it runs
     result = json.loads((out / "results.json").read_text())
     by = {r["method"]: r for r in result["methods"]}
-    assert [r["method"] for r in result["methods"]] == ["allreduce", "dilocox-delay-compressed", "compute-only"]
+    assert [r["method"] for r in result["methods"]] == ["allreduce", "dilocox-sync", "dilocox-delay-compressed",
+                                                        "compute-only"]
+    sync = by["dilocox-sync"]
+    assert sync["kind"] == "projected (15 shaped its)" and sync["shaped_window"]["last_iteration"] == 15
+    assert sync["tokens"] == 20 * 8 * 64 and sync["wall_s"] == pytest.approx(sync["tokens"] / sync["tokens_per_s"])
     assert result["table"] in proc.stdout
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "loss_vs_bytes.png").stat().st_size > 0
     ar, dlx, alone = by["allreduce"], by["dilocox-delay-compressed"], by["compute-only"]

@@ -203,6 +203,7 @@ class Bench:
         start = time.monotonic()
         launch.run(cmds, logs, poll=progress, poll_s=15.0,
                    env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        progress()  # the last iteration, also for runs shorter than one poll
         after = [netns.link_stats(self.wan.namespace(k))["tx_bytes"] for k in range(self.wan.clusters)]
         tx = [b - a for a, b in zip(before, after)]
         print(f"    {name}: done in {time.monotonic() - start:.0f} s; "
