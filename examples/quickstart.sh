@@ -16,16 +16,8 @@ OUT=${OUT:-runs/quickstart}
 ITERS=${ITERS:-120}
 mkdir -p "$DATA" "$OUT"
 
-if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
-  echo "> building the corpus, tokenizer and dataset in $DATA"
-  python tools/make_corpus.py --output "$DATA/stdlib.jsonl"
-  python tools/train_tokenizer.py --input "$DATA/stdlib.jsonl" --json-keys text --vocab-size 4096 \
-    --model-prefix "$DATA/stdlib_sp"
-  python tools/preprocess_data.py --input "$DATA/stdlib.jsonl" --output-prefix "$DATA/stdlib" \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model" --append-eod --workers 2
-fi
-
 source examples/quickstart_gpt.sh
+build_quickstart_data
 LOG_ARGS=(--log-interval 20 --eval-interval 40 --eval-iters 6 --seed 1234)
 
 echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, one-step-delay overlap, compressed exchange"

@@ -27,15 +27,8 @@ case "$RATE" in
   *) SHAPED=${SHAPED:-"allreduce=20"} ;;
 esac
 
-if [ ! -f "$DATA/stdlib_text_document.idx" ]; then  # the quickstart's dataset (examples/quickstart.sh)
-  mkdir -p "$DATA"
-  python tools/make_corpus.py --output "$DATA/stdlib.jsonl"
-  python tools/train_tokenizer.py --input "$DATA/stdlib.jsonl" --json-keys text --vocab-size 4096 \
-    --model-prefix "$DATA/stdlib_sp"
-  python tools/preprocess_data.py --input "$DATA/stdlib.jsonl" --output-prefix "$DATA/stdlib" \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/stdlib_sp.model" --append-eod --workers 2
-fi
 source examples/quickstart_gpt.sh
+build_quickstart_data
 SHAPED_ARGS=()
 for item in $SHAPED; do SHAPED_ARGS+=(--shaped-iters "$item"); done
 # shellcheck disable=SC2086
