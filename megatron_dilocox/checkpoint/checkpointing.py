@@ -16,6 +16,7 @@ state start fresh from those weights, and the log says so.
 """
 
 import contextlib
+import io
 import json
 import random
 import time
@@ -105,6 +106,12 @@ def _all_ranks_ok(error: str | None) -> None:
 # -- save ----------------------------------------------------------------------------------------
 
 
+def _described(args) -> dict:
+    """Manifest fields every checkpoint has: the model's flags, all flags, the time."""
+    return {"model": model_signature(args), "args": json.loads(json.dumps(vars(args), default=str)),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def _metadata(trainer, iteration: int) -> dict:
     args = trainer.args
     dilocox = None
@@ -116,9 +123,7 @@ def _metadata(trainer, iteration: int) -> dict:
     return {"kind": "training", "iteration": iteration, "eval_round": trainer.eval_round,
             "consumed_samples": iteration * args.global_batch_size,
             "global_batch_size": args.global_batch_size, "scheduler": trainer.scheduler.state_dict(),
-            "model": model_signature(args), "layout": layout(args, trainer.topo), "dilocox": dilocox,
-            "args": json.loads(json.dumps(vars(args), default=str)),
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "layout": layout(args, trainer.topo), "dilocox": dilocox, **_described(args)}
 
 
 def _rank_state(trainer, iteration: int) -> dict:
@@ -160,9 +165,9 @@ def save(trainer, iteration: int) -> Path:
 
     def write(folder):
         state = _rank_state(trainer, iteration)
-        rank_path = folder / files.rank_file(state["coordinates"])
-        torch.save(state, rank_path.with_name(rank_path.name + ".tmp"))
-        rank_path.with_name(rank_path.name + ".tmp").rename(rank_path)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        files.write_atomic(folder / files.rank_file(state["coordinates"]), buffer.getbuffer())
         dilocox = trainer.dilocox
         with dilocox.global_params(drained=True) if dilocox is not None else contextlib.nullcontext():
             dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
@@ -177,9 +182,7 @@ def save_weights(model, args, root, source: str) -> Path:
     """A weights-only checkpoint at iteration 0 (e.g. converted from another format); it loads
     into any layout like a resharded training checkpoint."""
     metadata = {"kind": "weights", "source": source, "iteration": 0, "eval_round": 0,
-                "model": model_signature(args), "layout": None, "dilocox": None,
-                "args": json.loads(json.dumps(vars(args), default=str)),
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "layout": None, "dilocox": None, **_described(args)}
     return _write_collectively(root, 0, metadata, lambda folder: dist_checkpointing.save(
         model_sharded_state_dict(model), str(folder / "model")))
 

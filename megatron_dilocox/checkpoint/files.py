@@ -48,7 +48,7 @@ def rank_file(coordinates: dict) -> str:
     return f"ranks/c{c['cluster']:02d}_tp{c['tp']:02d}_pp{c['pp']:03d}_dp{c['dp']:03d}.pt"
 
 
-def write_atomic(path, data: bytes) -> None:
+def write_atomic(path, data) -> None:
     """Writes ``data`` to ``path`` through a temporary name, so readers see all or nothing."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
