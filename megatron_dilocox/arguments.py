@@ -150,8 +150,9 @@ def _dilocox_args(parser):
                    help="Adapt H after every round (within these bounds) so that one round's exchange fits "
                         "inside the next round's compute; H starts at --dilocox-local-steps.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
-                   help="delay: one-step-delay overlap (default); sync: blocking DiLoCo; "
-                        "delay-naive: ablation that drops fresh local progress (unstable).")
+                   help="delay: one-step-delay overlap, keep the fresh local progress (default); eager: "
+                        "one-step-delay overlap, keep 1/C of it (the replica's share of the coming average); "
+                        "sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).")
     g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
     g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
                    help="Outer SGD momentum.")

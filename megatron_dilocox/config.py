@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SYNC_MODES = ("sync", "delay", "delay-naive")
+SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
 CODECS = ("none", "quantize", "lowrank", "lowrank-quantize")
 
 
@@ -34,6 +34,8 @@ class DiLoCoXConfig:
     ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
     ``delay``: one-step-delay overlap; apply the previous round's average and keep the
     replica's own fresh progress (the default).
+    ``eager``: as ``delay``, but keep only the replica's 1/C share of its fresh progress (the
+    part of the coming average it already knows); closer to sync's loss in the benchmarks.
     ``delay-naive``: ablation of ``delay`` that drops the fresh progress; unstable with the
     default outer settings, never use it for real runs.
     """

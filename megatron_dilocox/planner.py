@@ -271,13 +271,15 @@ class Machine:
     """CPU mode: achieved matmul GFLOP/s of one single-threaded process (measured)."""
     cpu_gflops_all_threads: float = 0.0
     """CPU mode: achieved matmul GFLOP/s of one process using all cores' threads (measured)."""
-    cpu_efficiency: float = 1.0
-    """CPU mode: the share of those GFLOP/s a training step achieves. Everything that is not a
-    matmul (norms, softmax, element-wise ops, optimizer, Python) as one constant share of the
-    time, fitted to one measured run by tools/calibrate_planner.py."""
+    cpu_elementwise_ns: float = 0.0
+    """CPU mode: nanoseconds of everything that is not a matmul (norms, softmax, element-wise
+    ops, optimizer, Python) per token, hidden unit and layer of a training step at one thread.
+    Every tensor-parallel rank does all of it (norms and residuals are replicated; what TP does
+    split is a small share), so unlike the matmuls it does not shrink with TP; threads speed it
+    up as they speed up the matmuls. Fitted to one measured run by tools/calibrate_planner.py."""
 
 
-OUTER_BYTES_PER_PARAM = {"delay": 20, "delay-naive": 20, "sync": 16}
+OUTER_BYTES_PER_PARAM = {"delay": 20, "eager": 20, "delay-naive": 20, "sync": 16}
 """Peak outer-state bytes per parameter of the outer shard, as ``outer/sync.py`` holds it: fp32
 base and Nesterov momentum (8); in delay modes the round start (4) and the pseudo-gradient in
 flight (4) live through the round, and at a boundary the new pseudo-gradient (4) meets the
@@ -418,37 +420,43 @@ def step_time(m: ModelShape, lay: Layout, mach: Machine, clusters: int, dp_in: i
     ``(m - 1) max_k tau_k + sum_k tau_k``, which is ``m tau (1 + (PP - 1) / m)`` for equal
     stages. Then the data-parallel all-reduce of the fp32 gradients, not overlapped.
 
-    CPU mode (``mach.cpu_cores``): the rate is ``cpu_efficiency`` x ``cpu_gflops_all_threads`` for
-    a single process and x ``cpu_gflops_1thread`` otherwise (torchrun sets OMP_NUM_THREADS=1 for
-    several processes per node), and all clusters' processes share the cores, so the compute
-    also takes at least (compute seconds of every process) / cores.
+    CPU mode (``mach.cpu_cores``): the rate is ``cpu_gflops_all_threads`` for a single process and
+    ``cpu_gflops_1thread`` otherwise (torchrun sets OMP_NUM_THREADS=1 for several processes per
+    node); each stage adds ``cpu_elementwise_ns`` x tokens x hidden x its layers, replicated on
+    every TP rank and sped up by threads as the matmuls are; all clusters' processes share the
+    cores, so the compute also takes at least (compute seconds of every process) / cores.
     """
     tp, pp, b, s, h = lay.tp, lay.pp, lay.micro_batch_size, m.seq_length, m.hidden_size
     act_bytes = 2 if lay.bf16 else 4
     tokens = b * s
     processes = clusters * mach.gpus_per_cluster
+    elementwise = 0.0
     if mach.cpu_cores:
         if mach.cpu_gflops_1thread <= 0 or mach.cpu_gflops_all_threads <= 0:
             raise ValueError("CPU mode needs --cpu-gflops ONE_THREAD ALL_THREADS (measure with "
                              "tools/calibrate_planner.py, which prints them)")
-        if not 0 < mach.cpu_efficiency <= 1:
-            raise ValueError(f"--cpu-efficiency must be in (0, 1], got {mach.cpu_efficiency}")
-        rate = 1e9 * mach.cpu_efficiency * (mach.cpu_gflops_all_threads if processes == 1 else mach.cpu_gflops_1thread)
+        if mach.cpu_elementwise_ns < 0:
+            raise ValueError(f"--cpu-elementwise-ns must be >= 0, got {mach.cpu_elementwise_ns}")
+        threads = mach.cpu_gflops_all_threads / mach.cpu_gflops_1thread if processes == 1 else 1.0
+        rate = 1e9 * mach.cpu_gflops_1thread * threads
+        layer_passes = 4 / 3 if lay.recompute_full else 1.0  # recompute repeats the forward
+        elementwise = mach.cpu_elementwise_ns * 1e-9 * tokens * h * (m.num_layers // pp) * layer_passes / threads
     else:
         rate = 1e12 * mach.gpu_tflops
     intra_bw, tp_bw = gbps_to_bytes_per_s(mach.intra_bandwidth_gbps), gbps_to_bytes_per_s(mach.tp_bandwidth_gbps)
     matmul = [stage_flops_per_token(m, tp, pp, k, lay.recompute_full) * tokens / rate for k in range(pp)]
+    work = [mm + elementwise for mm in matmul]
     tp_calls = (6 if lay.recompute_full else 4) * (m.num_layers // pp)
     tp_comm = tp_calls * 2 * (tp - 1) / tp * tokens * h * act_bytes / tp_bw
     p2p = 2 * tokens * h * act_bytes / intra_bw
-    tau = [matmul[k] + tp_comm + (p2p if k < pp - 1 else 0.0) for k in range(pp)]
+    tau = [work[k] + tp_comm + (p2p if k < pp - 1 else 0.0) for k in range(pp)]
     pipeline = (nmb - 1) * max(tau) + sum(tau)
     shared = 0.0
     if mach.cpu_cores:
-        shared = clusters * dp_in * tp * nmb * sum(matmul) / mach.cpu_cores
+        shared = clusters * dp_in * tp * nmb * sum(work) / mach.cpu_cores
     compute = max(pipeline, shared)
     intra = 2 * (dp_in - 1) / dp_in * 4 * n_rank / intra_bw
-    return dict(matmul=nmb * max(matmul), tp_comm=nmb * tp_comm, p2p=nmb * p2p * (pp > 1),
+    return dict(matmul=nmb * max(matmul), elementwise=nmb * elementwise, tp_comm=nmb * tp_comm, p2p=nmb * p2p * (pp > 1),
                 pipeline=pipeline, cores_bound=shared, compute=compute,
                 bubble_factor=pipeline / (nmb * max(tau)) - 1, intra_allreduce=intra, total=compute + intra,
                 tokens_per_step=lay.global_batch_size * s)
@@ -483,7 +491,9 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
               f"{_fmt_bytes(p.host_memory['outer_state'])}"]
     s = p.step
     L += [
-        f"step: matmul {_fmt_s(s['matmul'])} + TP all-reduce {_fmt_s(s['tp_comm'])} + pipeline p2p "
+        f"step: matmul {_fmt_s(s['matmul'])}"
+        + (f" + element-wise {_fmt_s(s['elementwise'])}" if mach.cpu_cores else "")
+        + f" + TP all-reduce {_fmt_s(s['tp_comm'])} + pipeline p2p "
         f"{_fmt_s(s['p2p'])}, bubble {s['bubble_factor']:.3f} -> {_fmt_s(s['pipeline'])}"
         + (f", cores bound {_fmt_s(s['cores_bound'])}" if mach.cpu_cores else "")
         + f"; + intra-cluster all-reduce {_fmt_s(s['intra_allreduce'])} = {_fmt_s(s['total'])} "

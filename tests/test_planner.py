@@ -145,12 +145,22 @@ def test_step_time_cpu_mode_by_hand():
     lay = pl.Layout(micro_batch_size=4, global_batch_size=16)
     p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), one)
     assert math.isclose(p.step["total"], per_token * tokens / 16e9)  # one process: all threads
-    half = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
-                      cpu_efficiency=0.5)
-    assert math.isclose(pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), half).step["total"], 2 * p.step["total"])
-    with pytest.raises(ValueError, match="--cpu-efficiency"):
+    # element-wise work: 4 layers x 2048 tokens x 256 hidden x 100 ns at one thread, sped up 1.6x
+    # by the threads of a single process; every TP rank does all of it, so TP2 halves only the matmuls
+    ew = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
+                    cpu_elementwise_ns=100.0)
+    p_ew = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), ew)
+    assert math.isclose(p_ew.step["elementwise"], 100e-9 * tokens * 256 * 4 / 1.6)
+    assert math.isclose(p_ew.step["total"], p.step["total"] + p_ew.step["elementwise"])
+    tp2 = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
+                     cpu_elementwise_ns=100.0, tp_bandwidth_gbps=8.0)
+    p_tp2 = pl.plan(m, pl.Layout(tp=2, micro_batch_size=4, global_batch_size=16), pl.DiLoCoXSettings(clusters=1), tp2)
+    tp_comm = 4 * 4 * 2 * 0.5 * 512 * 256 * 4 / 1e9  # 4 layers x 4 all-reduces per micro-batch
+    per_mb = pl.stage_flops_per_token(m, 2, 1, 0) * 512 / 10e9 + 100e-9 * 512 * 256 * 4 + tp_comm
+    assert math.isclose(p_tp2.step["total"], 4 * per_mb)
+    with pytest.raises(ValueError, match="--cpu-elementwise-ns"):
         pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), pl.Machine(gpus_per_cluster=1, cpu_cores=2,
-                cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0, cpu_efficiency=1.5))
+                cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0, cpu_elementwise_ns=-1.0))
     # 2 clusters x PP2 on 4 single-threaded processes sharing 2 cores: the cores bound wins
     four = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                       intra_bandwidth_gbps=8.0)

@@ -218,10 +218,10 @@ def machine_figures(model: str, max_load: float) -> dict:
 
 
 FIT = ("h256", "dp2")
-"""The one run ``--cpu-efficiency`` is fitted to; every other row of the table is a prediction."""
+"""The one run ``--cpu-elementwise-ns`` is fitted to; every other row of the table is a prediction."""
 
 
-def predict(model: str, layout: str, data: str, fig: dict, efficiency: float):
+def predict(model: str, layout: str, data: str, fig: dict, elementwise_ns: float):
     """The planner's CPU-mode plan of one measured run, from that run's own launch flags."""
     import tools.plan as cli
     from megatron_dilocox import planner as pl
@@ -230,10 +230,21 @@ def predict(model: str, layout: str, data: str, fig: dict, efficiency: float):
     ns = cli.resolve([
         "--cpu-cores", str(os.cpu_count()), "--cpu-gflops", *(f"{x:.3f}" for x in fig["cpu_gflops"]),
         "--intra-bandwidth-gbps", f"{fig['intra_gbps']:.4f}", "--tp-bandwidth-gbps", f"{fig['tp_gbps']:.4f}",
-        "--cpu-efficiency", repr(efficiency),
+        # the "link" between clusters is loopback too: every stage pair all-reduces on its own
+        "--inter-bandwidth-gbps", f"{fig['intra_gbps']:.4f}", "--inter-link", "per-rank",
+        "--cpu-elementwise-ns", repr(elementwise_ns),
         "--vocab-size", "4096", "--gpus-per-cluster", str(nproc // (2 if "--dilocox-clusters" in flags else 1)),
         "--", *launch_flags(model, layout, data)])
     return pl.plan(*cli.configs(ns)), ns
+
+
+def predicted_step(p, layout: str) -> float:
+    """The planner's time per step of the method a layout runs: the AllReduce baseline includes
+    its cross-cluster gradient all-reduce, DiLoCoX its round time over H."""
+    flags = LAYOUTS[layout][1]
+    if "--dilocox" in flags:
+        return p.dilocox["step"]
+    return p.allreduce["step"] if "--dilocox-clusters" in flags else p.step["total"]
 
 
 def measured(path: str) -> dict:
@@ -248,23 +259,22 @@ def measured(path: str) -> dict:
                 rounds=rounds, load=(meta["load_before"], meta["load_after"]))
 
 
-def fit_efficiency(data: str, out: str, figures: dict) -> float:
-    """The ``--cpu-efficiency`` at which the planner's step time equals FIT's fastest measured
-    window, the one least disturbed by other jobs (bisection: the predicted time falls as the
-    efficiency rises)."""
+def fit_elementwise(data: str, out: str, figures: dict) -> float:
+    """The ``--cpu-elementwise-ns`` at which the planner's step time equals FIT's fastest measured
+    window, the one least disturbed by other jobs (bisection: the predicted time rises with it)."""
     model, layout = FIT
     target = measured(os.path.join(out, f"{model}-{layout}.jsonl"))["step_min"]
-    lo, hi = 1e-3, 1.0
+    lo, hi = 0.0, 1e4
     for _ in range(60):
         mid = (lo + hi) / 2
-        if predict(model, layout, data, figures[model], mid)[0].step["total"] > target:
+        if predicted_step(predict(model, layout, data, figures[model], mid)[0], layout) < target:
             lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
 
 
-def table(models, layouts, data: str, out: str, figures: dict, efficiency: float) -> str:
+def table(models, layouts, data: str, out: str, figures: dict, elementwise_ns: float) -> str:
     from megatron_dilocox.planner import HANDSHAKE_BYTES
 
     rows = ["| model | layout | processes | predicted step | measured step: fastest window (median; slowest) | "
@@ -275,9 +285,10 @@ def table(models, layouts, data: str, out: str, figures: dict, efficiency: float
             path = os.path.join(out, f"{model}-{layout}.jsonl")
             if not os.path.exists(path):
                 continue
-            p, ns = predict(model, layout, data, figures[model], efficiency)
+            p, ns = predict(model, layout, data, figures[model], elementwise_ns)
             got = measured(path)
-            err, err_median = p.step["total"] / got["step_min"] - 1, p.step["total"] / got["step"] - 1
+            step = predicted_step(p, layout)
+            err, err_median = step / got["step_min"] - 1, step / got["step"] - 1
             c = ns.dilocox_clusters
             if "--dilocox" in LAYOUTS[layout][1]:
                 h = ns.dilocox_local_steps
@@ -293,7 +304,7 @@ def table(models, layouts, data: str, out: str, figures: dict, efficiency: float
             else:
                 want = have = "-"
             fitted = " (fitted)" if (model, layout) == FIT else ""
-            rows.append(f"| {model} | {layout}{fitted} | {LAYOUTS[layout][0]} | {p.step['total'] * 1e3:.0f} ms | "
+            rows.append(f"| {model} | {layout}{fitted} | {LAYOUTS[layout][0]} | {step * 1e3:.0f} ms | "
                         f"{got['step_min'] * 1e3:.0f} ms ({got['step'] * 1e3:.0f}; {got['step_max'] * 1e3:.0f}) | "
                         f"{100 * err:+.1f}% ({100 * err_median:+.1f}%) | {want} | {have} | {got['load'][0]:.2f} / {got['load'][1]:.2f} |")
     return "\n".join(rows)
@@ -325,9 +336,9 @@ def main(argv=None) -> int:
         if not args.table_only:
             for layout in args.layouts:
                 measure_run(model, layout, args.data, out, args.max_load)
-    efficiency = fit_efficiency(args.data, out, figures)
-    print(f"> --cpu-efficiency {efficiency:.4f} (fitted to {FIT[0]} {FIT[1]})")
-    print(table(args.models, args.layouts, args.data, out, figures, efficiency))
+    elementwise_ns = fit_elementwise(args.data, out, figures)
+    print(f"> --cpu-elementwise-ns {elementwise_ns:.4f} (fitted to {FIT[0]} {FIT[1]})")
+    print(table(args.models, args.layouts, args.data, out, figures, elementwise_ns))
     return 0
 
 

@@ -98,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-gflops", type=float, nargs=2, metavar=("ONE_THREAD", "ALL_THREADS"),
                    help="CPU mode: measured matmul GFLOP/s of one process (tools/calibrate_planner.py "
                    "prints them).")
-    g.add_argument("--cpu-efficiency", type=float, help="CPU mode: share of those GFLOP/s a training step "
-                   "achieves (default 1; tools/calibrate_planner.py fits it).")
+    g.add_argument("--cpu-elementwise-ns", type=float,
+                   help="CPU mode: ns of non-matmul work per token, hidden unit and layer at one thread, "
+                   "done by every TP rank (default 0; tools/calibrate_planner.py fits it).")
     ap.add_argument("--check-fits", action="store_true",
                     help="Exit with status 3 when the memory per GPU exceeds --gpu-memory-gib.")
     return ap
@@ -113,7 +114,7 @@ DEFAULTS = dict(
     dilocox_compression="lowrank-quantize", dilocox_quant_bits=8, dilocox_quant_block=256, dilocox_rank=8,
     dilocox_sync_mode="delay", dilocox_offload_outer_state=False, gpu_memory_gib=80.0, gpu_tflops=400.0,
     intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0, inter_bandwidth_gbps=1.0, inter_link="shared",
-    dilocox_error_feedback=False, cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_efficiency=1.0,
+    dilocox_error_feedback=False, cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
 )
 LAUNCH_KEYS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
@@ -193,7 +194,7 @@ def configs(args):
                       tp_bandwidth_gbps=args.tp_bandwidth_gbps, inter_bandwidth_gbps=args.inter_bandwidth_gbps,
                       inter_link=args.inter_link, cpu_cores=args.cpu_cores,
                       cpu_gflops_1thread=args.cpu_gflops[0], cpu_gflops_all_threads=args.cpu_gflops[1],
-                      cpu_efficiency=args.cpu_efficiency)
+                      cpu_elementwise_ns=args.cpu_elementwise_ns)
     return model, layout, dl, machine
 
 

@@ -15,12 +15,12 @@ class ReferenceDiLoCo:
     Args:
         init: initial parameters, identical for every replica.
         clusters: number of replicas C.
-        mode: "sync", "delay" or "delay-naive".
+        mode: "sync", "delay", "eager" or "delay-naive".
         lr, momentum, nesterov: outer SGD settings.
     """
 
     def __init__(self, init, clusters, mode="delay", lr=0.7, momentum=0.9, nesterov=True):
-        assert mode in ("sync", "delay", "delay-naive")
+        assert mode in ("sync", "delay", "eager", "delay-naive")
         self.mode, self.clusters = mode, clusters
         self.base = [t.detach().clone().float() for t in init]
         self.starts = [[b.clone() for b in self.base] for _ in range(clusters)]
@@ -43,6 +43,8 @@ class ReferenceDiLoCo:
             self.pending = g
             if self.mode == "delay":  # keep each replica's own, not yet averaged progress
                 self.starts = [[b - d for b, d in zip(self.base, dk)] for dk in deltas]
+            elif self.mode == "eager":  # keep only its share of the coming average
+                self.starts = [[b - d / self.clusters for b, d in zip(self.base, dk)] for dk in deltas]
             else:
                 self.starts = [self._copy(self.base) for _ in range(self.clusters)]
         self._load(replicas)

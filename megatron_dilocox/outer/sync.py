@@ -20,6 +20,11 @@ Modes at boundary t:
   ``round_start``, so it holds only round t+1's progress, and the carry is replaced by
   ``g_t`` (which contains ``delta_t`` averaged) when the new start ``base' - delta_{t+1}``
   is written.
+* ``eager``: as ``delay`` but ``params = round_start = base - delta_t / C``: the replica carries
+  only its own share of the average that is on its way (the "eager update" of Kale et al. 2025,
+  arXiv 2502.12996, with the other clusters' share left out until it arrives). ``delay`` carries
+  its whole ``delta_t``, so the replicas drift further apart; at boundary t+1 both carries are
+  replaced by ``g_t`` in the same way.
 * ``delay-naive`` (ablation): as ``delay`` but ``params = round_start = base`` (the fresh
   progress reaches the model only through the stale average; unstable with lr 0.7 / m 0.9).
 
@@ -178,7 +183,8 @@ class OuterSync:
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
         # sync and delay-naive always start a round from base: share the buffer.
-        self.round_start = self._state_tensor(self.base, copy=True) if config.sync_mode == "delay" else self.base
+        carries = config.sync_mode in ("delay", "eager")
+        self.round_start = self._state_tensor(self.base, copy=True) if carries else self.base
         self.optimizer = OuterNesterov(
             [self.base], config.outer_lr, config.outer_momentum, config.nesterov
         )
@@ -203,9 +209,10 @@ class OuterSync:
             self._submit(delta)
         result, wait_s = self._wait()  # sync: this round's; delay modes: the previous round's
         skipped = result is not None and not self._apply(result.grad)
-        if mode == "delay":
+        if mode in ("delay", "eager"):
             if local_ok:
-                torch.sub(self.base, delta, out=self.round_start)
+                own_share = 1.0 if mode == "delay" else 1.0 / self.config.clusters
+                torch.sub(self.base, delta, alpha=own_share, out=self.round_start)
             else:
                 warnings.warn(
                     f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite; "
