@@ -60,7 +60,7 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     out, rate = tmp_path / "bench", 20 * 10**6
     before = _namespaces()
     proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
-                           "--local-steps", "5", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
+                           "--local-steps", "5", "--overlap-mode", "eager", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
                            "--methods", "compute-only,dilocox-delay-compressed,dilocox-sync,allreduce",
                            "--shaped-iters", "dilocox-sync=15",
                            "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
@@ -78,6 +78,8 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     assert result["table"] in proc.stdout
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "loss_vs_bytes.png").stat().st_size > 0
     ar, dlx, alone = by["allreduce"], by["dilocox-delay-compressed"], by["compute-only"]
+    assert dlx["label"] == "DiLoCoX eager+comp" and result["setup"]["overlap_mode"] == "eager"
+    assert all("--dilocox-sync-mode eager" in c for c in result["commands"]["dilocox-delay-compressed"])
     assert ar["tokens"] == dlx["tokens"] == alone["tokens"] == 20 * 8 * 64
     assert ar["speedup_vs_allreduce"] == 1.0 and alone["fraction_of_compute_only"] == 1.0
     assert [p["iteration"] for p in ar["curve"]] == [10, 20] == [p["iteration"] for p in alone["curve"]]

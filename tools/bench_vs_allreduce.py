@@ -7,7 +7,8 @@ Needs root: it creates one network namespace per cluster with tools/wan, shapes 
 uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or error). Methods:
 
 - ``allreduce``: vanilla megatron, gradients reduced across all clusters every step;
-- ``dilocox-sync``, ``dilocox-delay``: DiLoCoX without compression, blocking / one-step delay;
+- ``dilocox-sync``, ``dilocox-delay``: DiLoCoX without compression, blocking / one-step delay
+  (the overlapped methods use ``--overlap-mode``: ``delay`` or ``eager``, see outer/sync.py);
 - ``dilocox-delay-compressed``: delay with compressed pseudo-gradients (``--compression-args``,
   default: the product's default codec, rank-8 low-rank with 8-bit factors);
 - ``dilocox-delay-compressed-adaptive``: delay, low-rank + quantized with the adaptive rank
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, help="--dilocox-outer-lr (default: the product's)")
     p.add_argument("--outer-momentum", type=float,
                    help="--dilocox-outer-momentum (default: the product's); 0 = plain outer SGD, no Nesterov")
+    p.add_argument("--overlap-mode", choices=("delay", "eager"), default="delay",
+                   help="--dilocox-sync-mode of the overlapped DiLoCoX methods (the dilocox-delay* rows)")
     p.add_argument("--compression-args", default="",
                    help="codec flags for dilocox-delay-compressed, e.g. --compression-args='--dilocox-compression "
                         "quantize --dilocox-quant-bits 4' (default: the product's default codec)")
@@ -170,7 +173,8 @@ class Bench:
         extra = METHODS[method][1]
         if extra is None:  # compute-only: one cluster alone, its share of the global batch
             return _with_flag(flags, "--global-batch-size", self.cfg["gbs"] // a.clusters)
-        flags += ["--dilocox-clusters", str(a.clusters), *extra]
+        flags += ["--dilocox-clusters", str(a.clusters),
+                  *(a.overlap_mode if f == "delay" else f for f in extra)]
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
             for flag, value in (("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
@@ -234,7 +238,7 @@ class Bench:
         return metrics, self._launch("compute-only", cmds, metrics, True, self.cfg["iters"])
 
     def run(self, method: str) -> dict:
-        label = METHODS[method][0]
+        label = METHODS[method][0].replace("delay", self.args.overlap_mode)
         print(f"> {label} ({method})", flush=True)
         if method == "compute-only":
             paths, link = self.compute_only()
@@ -381,7 +385,8 @@ def main(argv=None) -> int:
     wan = netns.Wan(args.prefix, args.clusters, args.rate)
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
-                 ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps, outer_lr=args.outer_lr,
+                 ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps, overlap_mode=args.overlap_mode,
+                 outer_lr=args.outer_lr,
                  outer_momentum=args.outer_momentum, compression_args=args.compression_args, seed=args.seed,
                  pretrain_flags=cfg["pretrain"],
                  harness_command=shlex.join([sys.executable, *sys.argv]))

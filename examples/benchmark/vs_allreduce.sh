@@ -16,6 +16,9 @@ RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
 OUTER=${OUTER:-"--outer-lr 1.0 --outer-momentum 0"}   # plain averaging: best of the tuning runs
+# Overlap policy of the DiLoCoX rows that overlap the exchange: eager (keep 1/C of the fresh
+# progress) came closest to sync's loss in the tuning runs (docs/benchmarks.md).
+OVERLAP=${OVERLAP:-eager}
 # The codec of "DiLoCoX delay+comp": 4-bit blockwise quantization (7.8x fewer bytes) cost no loss
 # in the tuning runs, where rank-8 low-rank factors stalled training (see docs/benchmarks.md).
 CODEC=${CODEC:-"--dilocox-compression quantize --dilocox-quant-bits 4"}
@@ -32,6 +35,6 @@ build_quickstart_data
 SHAPED_ARGS=()
 for item in $SHAPED; do SHAPED_ARGS+=(--shaped-iters "$item"); done
 # shellcheck disable=SC2086
-python tools/bench_vs_allreduce.py --rate "$RATE" --clusters 2 --ranks-per-cluster 2 --local-steps "$H" $OUTER \
+python tools/bench_vs_allreduce.py --rate "$RATE" --clusters 2 --ranks-per-cluster 2 --local-steps "$H" --overlap-mode "$OVERLAP" $OUTER \
   --compression-args="$CODEC" "${SHAPED_ARGS[@]}" --eval-interval 50 --eval-iters 8 --out "$OUT" \
   -- "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" --pipeline-model-parallel-size 2
