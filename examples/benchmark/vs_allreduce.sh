@@ -19,9 +19,10 @@ OUTER=${OUTER:-"--outer-lr 1.0 --outer-momentum 0"}   # plain averaging: best of
 # Overlap policy of the DiLoCoX rows that overlap the exchange: eager (keep 1/C of the fresh
 # progress) came closest to sync's loss in the tuning runs (docs/benchmarks.md).
 OVERLAP=${OVERLAP:-eager}
-# The codec of "DiLoCoX delay+comp": 4-bit blockwise quantization (7.8x fewer bytes) cost no loss
-# in the tuning runs, where rank-8 low-rank factors stalled training (see docs/benchmarks.md).
-CODEC=${CODEC:-"--dilocox-compression quantize --dilocox-quant-bits 4"}
+# The codec of "DiLoCoX eager+comp": 4-bit blockwise quantization (7.8x fewer bytes) with error
+# feedback; 4-bit cost no measurable loss in the tuning runs, where rank-8 low-rank factors stalled
+# training (see docs/benchmarks.md).
+CODEC=${CODEC:-"--dilocox-compression quantize --dilocox-quant-bits 4 --dilocox-error-feedback"}
 OUT=${OUT:-runs/bench_vs_allreduce/$RATE}
 # Methods whose full run over the link would take too long: loss from a full unshaped run,
 # tokens/s from this many iterations over the shaped link (the table marks them "projected").
