@@ -72,26 +72,34 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def running_tasks() -> int:
-    """Runnable tasks right now, this process included (/proc/loadavg's fourth field)."""
-    with open("/proc/loadavg") as f:
-        return int(f.read().split()[3].split("/")[0])
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all cores' time spent busy over the next ``seconds`` (from /proc/stat). Unlike
+    the load average it has no memory of this tool's own previous runs, and gloo's sleeping
+    threads do not count."""
+    def snapshot():
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    total0, idle0 = snapshot()
+    time.sleep(seconds)
+    total1, idle1 = snapshot()
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
 
 
-def wait_quiet(max_load: float) -> float:
-    """Waits until the 1-minute load average is below ``max_load`` and, for 3 s in a row, at most
-    ``max_load`` other tasks are runnable (other jobs distort timings); returns the load average."""
+def wait_quiet(max_busy: float) -> float:
+    """Waits until other jobs keep at most ``max_busy`` of the cores busy for 3 s in a row (they
+    distort timings; call it while this tool runs nothing); returns the last busy share."""
     quiet = 0
     while quiet < 3:
-        quiet = quiet + 1 if load() < max_load and running_tasks() - 1 <= max_load else 0
-        time.sleep(1)
-    return load()
+        busy = cpu_busy()
+        quiet = quiet + 1 if busy <= max_busy else 0
+    return busy
 
 
-def measure_run(model: str, layout: str, data: str, out: str, max_load: float, tries: int = 3) -> str:
-    """Runs one layout unless its metrics file exists; returns the metrics path. A run during
-    which the load average (less this run's own processes) rose to ``max_load`` + 1 is repeated,
-    up to ``tries`` times; the last one is kept either way, with its loads."""
+def measure_run(model: str, layout: str, data: str, out: str, max_busy: float) -> str:
+    """Runs one layout unless its metrics file exists, once the machine is quiet; returns the
+    metrics path. The busy share before and the load averages around the run are recorded."""
     path = os.path.join(out, f"{model}-{layout}.jsonl")
     if os.path.exists(path):
         return path
@@ -99,18 +107,15 @@ def measure_run(model: str, layout: str, data: str, out: str, max_load: float, t
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=29517",
            "pretrain_gpt.py", *launch_flags(model, layout, data), "--metrics-file", path + ".part"]
     print(f"> {model} {layout}: {shlex.join(cmd[1:])}", flush=True)
-    for attempt in range(tries):
-        if os.path.exists(path + ".part"):
-            os.remove(path + ".part")
-        before = wait_quiet(max_load)
-        with open(os.path.join(out, f"{model}-{layout}.log"), "w") as log:
-            subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-        after = load()
-        if after - nproc < max_load + 1:
-            break
-        print(f"  load rose to {after:.2f} during the run; again ({attempt + 2}/{tries})", flush=True)
+    if os.path.exists(path + ".part"):
+        os.remove(path + ".part")
+    busy = wait_quiet(max_busy)
+    before = load()
+    with open(os.path.join(out, f"{model}-{layout}.log"), "w") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     with open(path + ".part", "a") as f:
-        f.write(json.dumps({"load_before": before, "load_after": after, "command": shlex.join(cmd[2:])}) + "\n")
+        f.write(json.dumps({"busy_before": busy, "load_before": before, "load_after": load(),
+                            "command": shlex.join(cmd[2:])}) + "\n")
     os.replace(path + ".part", path)
     return path
 
@@ -202,7 +207,7 @@ def gloo_gbps(nbytes: int) -> float:
     return nbytes * 8 / seconds / 1e9
 
 
-def machine_figures(model: str, max_load: float) -> dict:
+def machine_figures(model: str, max_busy: float) -> dict:
     """The measured inputs of the planner's CPU mode for ``model``: matmul GFLOP/s with 1 and
     with all threads, gloo loopback bandwidth at the fp32 gradient size (data-parallel
     all-reduce) and at one micro-batch's activations (tensor-parallel all-reduce, pipeline sends)."""
@@ -211,7 +216,7 @@ def machine_figures(model: str, max_load: float) -> dict:
     m = model_shape(model)
     grads = 4 * pl.param_count(m)
     acts = 4 * 4 * m.seq_length * m.hidden_size
-    wait_quiet(max_load)
+    wait_quiet(max_busy)
     intra, tp = gloo_gbps(grads), gloo_gbps(acts)  # forked before any matmul starts threads
     one, all_ = _gemms(model, 1), _gemms(model, os.cpu_count())
     return dict(cpu_gflops=(one, all_), intra_gbps=intra, tp_gbps=tp, load=load())
@@ -317,8 +322,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=sorted(MODELS), choices=sorted(MODELS))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--table-only", action="store_true", help="Print the table from runs already measured.")
-    ap.add_argument("--max-load", type=float, default=1.0,
-                    help="Start a measurement only when the 1-minute load average is below this.")
+    ap.add_argument("--max-busy", type=float, default=0.1,
+                    help="Start a measurement only when other jobs keep at most this share of the cores busy "
+                    "(3 s in a row).")
     args = ap.parse_args(argv)
     out = os.path.join(REPO, args.out)
     os.makedirs(out, exist_ok=True)
@@ -326,7 +332,7 @@ def main(argv=None) -> int:
     figures = json.load(open(fig_path)) if os.path.exists(fig_path) else {}
     for model in args.models:
         if model not in figures:
-            figures[model] = machine_figures(model, args.max_load)
+            figures[model] = machine_figures(model, args.max_busy)
             with open(fig_path, "w") as f:
                 json.dump(figures, f, indent=1)
         fig = figures[model]
@@ -335,7 +341,7 @@ def main(argv=None) -> int:
               f"(measured under load {fig['load']:.2f})")
         if not args.table_only:
             for layout in args.layouts:
-                measure_run(model, layout, args.data, out, args.max_load)
+                measure_run(model, layout, args.data, out, args.max_busy)
     elementwise_ns = fit_elementwise(args.data, out, figures)
     print(f"> --cpu-elementwise-ns {elementwise_ns:.4f} (fitted to {FIT[0]} {FIT[1]})")
     print(table(args.models, args.layouts, args.data, out, figures, elementwise_ns))
