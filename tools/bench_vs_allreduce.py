@@ -44,12 +44,12 @@ from compare_runs import summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DILOCOX = ["--dilocox"]
-METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters)
+METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters); {overlap}: --overlap-mode
     "compute-only": ("compute-only", None),
-    "dilocox-delay-compressed": ("DiLoCoX delay+comp", DILOCOX + ["--dilocox-sync-mode", "delay"]),
-    "dilocox-delay-compressed-adaptive": ("DiLoCoX delay+comp adapt.", DILOCOX + [
-        "--dilocox-sync-mode", "delay", "--dilocox-compression", "lowrank-quantize", "--dilocox-adaptive"]),
-    "dilocox-delay": ("DiLoCoX delay", DILOCOX + ["--dilocox-sync-mode", "delay", "--dilocox-compression", "none"]),
+    "dilocox-delay-compressed": ("DiLoCoX {overlap}+comp", DILOCOX + ["--dilocox-sync-mode", "{overlap}"]),
+    "dilocox-delay-compressed-adaptive": ("DiLoCoX {overlap}+comp adapt.", DILOCOX + [
+        "--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "lowrank-quantize", "--dilocox-adaptive"]),
+    "dilocox-delay": ("DiLoCoX {overlap}", DILOCOX + ["--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "none"]),
     "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
     "allreduce": ("AllReduce", []),
 }
@@ -173,8 +173,7 @@ class Bench:
         extra = METHODS[method][1]
         if extra is None:  # compute-only: one cluster alone, its share of the global batch
             return _with_flag(flags, "--global-batch-size", self.cfg["gbs"] // a.clusters)
-        flags += ["--dilocox-clusters", str(a.clusters),
-                  *(a.overlap_mode if f == "delay" else f for f in extra)]
+        flags += ["--dilocox-clusters", str(a.clusters), *(f.format(overlap=a.overlap_mode) for f in extra)]
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
             for flag, value in (("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
@@ -238,7 +237,7 @@ class Bench:
         return metrics, self._launch("compute-only", cmds, metrics, True, self.cfg["iters"])
 
     def run(self, method: str) -> dict:
-        label = METHODS[method][0].replace("delay", self.args.overlap_mode)
+        label = METHODS[method][0].format(overlap=self.args.overlap_mode)
         print(f"> {label} ({method})", flush=True)
         if method == "compute-only":
             paths, link = self.compute_only()
@@ -385,9 +384,9 @@ def main(argv=None) -> int:
     wan = netns.Wan(args.prefix, args.clusters, args.rate)
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
-                 ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps, overlap_mode=args.overlap_mode,
-                 outer_lr=args.outer_lr,
-                 outer_momentum=args.outer_momentum, compression_args=args.compression_args, seed=args.seed,
+                 ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
+                 overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                 compression_args=args.compression_args, seed=args.seed,
                  pretrain_flags=cfg["pretrain"],
                  harness_command=shlex.join([sys.executable, *sys.argv]))
     print(f"> {args.clusters} clusters x {args.ranks_per_cluster} ranks, every cluster link shaped to {args.rate} "

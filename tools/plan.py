@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_dilocox.config import CODECS, SYNC_MODES  # noqa: E402
 from megatron_dilocox.planner import DiLoCoXSettings, Layout, Machine, ModelShape, plan, report  # noqa: E402
 
 PAPER_RATIO = 357.0
@@ -75,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("DiLoCoX")
     g.add_argument("--dilocox-clusters", type=int)
     g.add_argument("--dilocox-local-steps", type=int)
-    g.add_argument("--dilocox-compression", choices=["none", "quantize", "lowrank", "lowrank-quantize"])
+    g.add_argument("--dilocox-compression", choices=CODECS)
     g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4])
     g.add_argument("--dilocox-quant-block", type=int)
     g.add_argument("--dilocox-rank", type=int)
-    g.add_argument("--dilocox-sync-mode", choices=["delay", "sync"])
+    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES)
     g.add_argument("--dilocox-error-feedback", action="store_true", default=None,
                    help="Counts the error-feedback residual in the outer state.")
     g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None,

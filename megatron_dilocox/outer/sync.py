@@ -182,9 +182,10 @@ class OuterSync:
         with torch.no_grad():
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
-        # sync and delay-naive always start a round from base: share the buffer.
-        carries = config.sync_mode in ("delay", "eager")
-        self.round_start = self._state_tensor(self.base, copy=True) if carries else self.base
+        # The share of its fresh delta a replica carries into the next round (delay modes that
+        # keep it); sync and delay-naive always start a round from base and share its buffer.
+        self._carry = {"delay": 1.0, "eager": 1.0 / config.clusters}.get(config.sync_mode)
+        self.round_start = self._state_tensor(self.base, copy=True) if self._carry else self.base
         self.optimizer = OuterNesterov(
             [self.base], config.outer_lr, config.outer_momentum, config.nesterov
         )
@@ -209,10 +210,9 @@ class OuterSync:
             self._submit(delta)
         result, wait_s = self._wait()  # sync: this round's; delay modes: the previous round's
         skipped = result is not None and not self._apply(result.grad)
-        if mode in ("delay", "eager"):
+        if self._carry:
             if local_ok:
-                own_share = 1.0 if mode == "delay" else 1.0 / self.config.clusters
-                torch.sub(self.base, delta, alpha=own_share, out=self.round_start)
+                torch.sub(self.base, delta, alpha=self._carry, out=self.round_start)
             else:
                 warnings.warn(
                     f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite; "
