@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from launch import REPO, read_jsonl, torchrun
 
 
@@ -19,8 +21,14 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_loss" in r]
     assert [r["iteration"] for r in train] == list(range(20, 201, 20))
-    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s"} <= set(train[0])
-    assert {"iteration", "val_loss", "val_ppl"} <= set(evals[0])
+    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s", "train_s"} <= set(train[0])
+    assert {"iteration", "val_loss", "val_ppl", "eval_s"} <= set(evals[0])
+    # Validation pauses the training clock: the wall clock runs ahead of it by exactly the
+    # evaluations done so far (the log itself takes microseconds).
+    for t in train:
+        paused = sum(e["eval_s"] for e in evals if e["iteration"] < t["iteration"])
+        assert paused > 0 or t["iteration"] == 20
+        assert t["elapsed_s"] - t["train_s"] == pytest.approx(paused, abs=0.05), (t, paused)
     assert train[-1]["tokens"] == 200 * 16 * 64
     assert [r["iteration"] for r in evals] == list(range(20, 201, 20))
     # An untrained model scores about ln(vocab) = ln(400) = 6.0; most of the drop comes early.

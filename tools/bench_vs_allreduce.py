@@ -19,10 +19,14 @@ uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or erro
 ``--shaped-iters METHOD=N`` is for methods whose full run over the shaped link would take too
 long: their loss comes from a full run without shaping (the math does not depend on the link),
 their throughput from N iterations over the shaped link (steady state, after the first round
-or step), and their wall clock is tokens / that throughput. Such rows say "projected".
+or step), and their training time is tokens / that throughput. Such rows say "projected".
 
-Prints a table, writes ``results.json`` and two plots (validation loss vs wall clock and vs
-cross-cluster bytes) into ``--out``; per-run metrics and logs stay there too.
+Throughput is measured on the training clock, which validation pauses (as in Megatron's log:
+under DiLoCoX every cluster validates the global parameters on the whole validation batch,
+compute-only clusters on their share): ``train s`` and ``tokens/s``, with the last round's
+drain; ``wall s`` and ``(of c-only)`` include validation. Prints a table, writes
+``results.json`` and two plots (validation loss vs training time and vs cross-cluster bytes)
+into ``--out``; per-run metrics and logs stay there too.
 """
 
 import argparse
@@ -266,6 +270,12 @@ def _final_bytes(records: list[dict]) -> int:
     return sum(rounds) if rounds else int(train[-1].get("cross_cluster_bytes") or 0)
 
 
+def _eval_s(records: list[dict]) -> float:
+    """Seconds spent in validation during training (the final evaluation comes after the clock)."""
+    last = max(r["iteration"] for r in records if "lm_loss" in r)
+    return sum(r["eval_s"] for r in records if "val_loss" in r and r["iteration"] < last)
+
+
 def _curve(records: list[dict], time_of) -> list[dict]:
     """Validation points: iteration, tokens, seconds, cumulative cross-cluster bytes, loss."""
     train = {r["iteration"]: r for r in records if "lm_loss" in r}
@@ -283,10 +293,11 @@ def _curve(records: list[dict], time_of) -> list[dict]:
 def measured_figures(path: Path) -> dict:
     s, records = summarize(str(path)), _records(path)
     drain = sum(r["wait_s"] for r in records if r.get("drain"))  # last round's in-flight reduction
-    wall = s["elapsed_s"] + drain
-    curve = _curve(records, lambda t: t["elapsed_s"])
-    curve[-1]["time_s"] = wall
-    return dict(tokens=s["tokens"], wall_s=wall, tokens_per_s=s["tokens"] / wall, val_loss=s["val_loss"],
+    train, wall = s["train_s"] + drain, s["wall_s"] + drain
+    curve = _curve(records, lambda t: t["train_s"])
+    curve[-1]["time_s"] = train
+    return dict(tokens=s["tokens"], train_s=train, wall_s=wall, tokens_per_s=s["tokens"] / train,
+                tokens_per_s_wall=s["tokens"] / wall, val_loss=s["val_loss"],
                 cross_cluster_bytes=_final_bytes(records), curve=curve)
 
 
@@ -295,22 +306,25 @@ def projected_figures(full: Path, short: Path, unit: int) -> dict:
     s, records = summarize(str(full)), _records(full)
     train = [r for r in _records(short) if "lm_loss" in r]
     first, last = next(r for r in train if r["iteration"] == unit), train[-1]
-    rate = (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
-    return dict(tokens=s["tokens"], wall_s=s["tokens"] / rate, tokens_per_s=rate, val_loss=s["val_loss"],
+    rate = (last["tokens"] - first["tokens"]) / (last["train_s"] - first["train_s"])
+    wall = s["tokens"] / rate + _eval_s(records)  # validation as long as in the unshaped run
+    return dict(tokens=s["tokens"], train_s=s["tokens"] / rate, wall_s=wall, tokens_per_s=rate,
+                tokens_per_s_wall=s["tokens"] / wall, val_loss=s["val_loss"],
                 cross_cluster_bytes=_final_bytes(records), curve=_curve(records, lambda t: t["tokens"] / rate),
                 shaped_window=dict(first_iteration=first["iteration"], last_iteration=last["iteration"],
-                                   seconds=last["elapsed_s"] - first["elapsed_s"]))
+                                   seconds=last["train_s"] - first["train_s"]))
 
 
 def compute_only_figures(paths: list[Path]) -> dict:
     """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean."""
     runs = [summarize(str(p)) for p in paths]
-    curves = [_curve(_records(p), lambda t: t["elapsed_s"]) for p in paths]
+    curves = [_curve(_records(p), lambda t: t["train_s"]) for p in paths]
     curve = [dict(iteration=pts[0]["iteration"], tokens=sum(p["tokens"] for p in pts),
                   time_s=max(p["time_s"] for p in pts), bytes=0,
                   val_loss=sum(p["val_loss"] for p in pts) / len(pts)) for pts in zip(*curves)]
-    return dict(tokens=sum(r["tokens"] for r in runs), wall_s=max(r["elapsed_s"] for r in runs),
-                tokens_per_s=sum(r["tokens"] / r["elapsed_s"] for r in runs),
+    return dict(tokens=sum(r["tokens"] for r in runs), train_s=max(r["train_s"] for r in runs),
+                wall_s=max(r["wall_s"] for r in runs), tokens_per_s=sum(r["tokens"] / r["train_s"] for r in runs),
+                tokens_per_s_wall=sum(r["tokens"] / r["wall_s"] for r in runs),
                 val_loss=sum(r["val_loss"] for r in runs) / len(runs), cross_cluster_bytes=0, curve=curve,
                 per_cluster_val_loss=[r["val_loss"] for r in runs])
 
@@ -321,6 +335,7 @@ def add_ratios(results: list[dict]) -> None:
     for r in results:
         r["speedup_vs_allreduce"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
         r["fraction_of_compute_only"] = r["tokens_per_s"] / limit["tokens_per_s"] if limit else None
+        r["fraction_of_compute_only_wall"] = r["tokens_per_s_wall"] / limit["tokens_per_s_wall"] if limit else None
         r["val_loss_gap_vs_allreduce"] = r["val_loss"] / base["val_loss"] - 1 if base else None
 
 
@@ -328,14 +343,15 @@ def table(results: list[dict]) -> str:
     def fmt(value, spec, scale=1.0):
         return "n/a" if value is None else format(value * scale, spec)
 
-    header = (f"{'method':<26} {'tokens':>9} {'wall s':>8} {'tokens/s':>9} {'x AllRed':>8} {'of c-only':>9} "
-              f"{'x-cluster MiB/rank':>18} {'val loss':>8} {'vs AllRed':>9}  how")
+    header = (f"{'method':<26} {'tokens':>9} {'train s':>8} {'tokens/s':>9} {'x AllRed':>8} {'of c-only':>9} "
+              f"{'wall s':>8} {'(of c-only)':>11} {'x-cluster MiB/rank':>18} {'val loss':>8} {'vs AllRed':>9}  how")
     lines = [header, "-" * len(header)]
     for r in results:
         gap = "" if r["val_loss_gap_vs_allreduce"] is None else f"{100 * r['val_loss_gap_vs_allreduce']:+.1f}%"
         lines.append(
-            f"{r['label']:<26} {r['tokens']:>9,} {r['wall_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
+            f"{r['label']:<26} {r['tokens']:>9,} {r['train_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
             f"{fmt(r['speedup_vs_allreduce'], '.1f'):>7}x {fmt(r['fraction_of_compute_only'], '.1%'):>9} "
+            f"{r['wall_s']:>8.1f} {fmt(r['fraction_of_compute_only_wall'], '.1%'):>11} "
             f"{r['cross_cluster_bytes'] / 2**20:>18,.2f} {r['val_loss']:>8.4f} {gap:>9}  {r['kind']}")
     return "\n".join(lines)
 
@@ -347,7 +363,7 @@ def plot(results: list[dict], out: Path, title: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, xlabel, fname in (("time_s", "wall-clock time (s)", "loss_vs_time.png"),
+    for key, xlabel, fname in (("time_s", "training time (s), validation excluded", "loss_vs_time.png"),
                                ("bytes", "cross-cluster bytes sent per rank", "loss_vs_bytes.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for r in results:
@@ -413,10 +429,12 @@ def main(argv=None) -> int:
         if r["kind"].startswith("projected"):
             print(f"projected: {r['label']}: loss and bytes from a full unshaped run; tokens/s measured over the "
                   f"{args.rate} link on iterations {r['shaped_window']['first_iteration']}-"
-                  f"{r['shaped_window']['last_iteration']}; wall s = tokens / that rate")
+                  f"{r['shaped_window']['last_iteration']}; train s = tokens / that rate")
     if "compute-only" in cfg["methods"]:
         print("compute-only: each cluster trained alone on its share of every batch; its loss is the mean of "
               "the clusters' separate models")
+    print("train s and tokens/s: training time (validation excluded, the last round's drain included); "
+          "wall s and (of c-only): with validation")
     plots = plot(results, out, f"{args.clusters} clusters x {args.ranks_per_cluster} ranks, {args.rate} per cluster link")
     (out / "results.json").write_text(json.dumps(dict(setup=setup, commands=bench.commands, table=text,
                                                       methods=results), indent=1))

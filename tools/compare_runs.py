@@ -13,7 +13,11 @@ import sys
 
 
 def summarize(path: str) -> dict:
-    """Final validation loss, tokens, time and cross-cluster bytes of one metrics file."""
+    """Final validation loss, tokens, time and cross-cluster bytes of one metrics file.
+
+    ``train_s`` and ``tokens_per_sec`` leave out validation and checkpoint saves (as the
+    training log does); ``wall_s`` is the wall clock at the last training record.
+    """
     try:
         with open(path) as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -24,8 +28,9 @@ def summarize(path: str) -> dict:
     if not train or not evals:
         raise SystemExit(f"compare_runs.py: error: {path}: no training or validation records")
     last = train[-1]
-    return dict(val_loss=evals[-1]["val_loss"], tokens=last["tokens"], elapsed_s=last["elapsed_s"],
-                tokens_per_sec=last["tokens"] / last["elapsed_s"],
+    train_s = last.get("train_s", last["elapsed_s"])  # files written before train_s: wall clock
+    return dict(val_loss=evals[-1]["val_loss"], tokens=last["tokens"], train_s=train_s,
+                wall_s=last["elapsed_s"], tokens_per_sec=last["tokens"] / train_s,
                 cross_cluster_bytes=last.get("cross_cluster_bytes"),
                 rounds=sum(1 for r in records if "outer_step" in r and not r.get("drain")))
 
@@ -46,7 +51,7 @@ def main(argv=None) -> int:
         groups.setdefault(name, []).append(summarize(path))
     rows = [(name, _mean(runs)) for name, runs in groups.items()]
     base = rows[-1][1]
-    header = (f"{'run':<14} {'n':>2} {'val loss':>9} {'spread':>7} {'vs base':>8} {'tokens':>10} {'wall s':>8} "
+    header = (f"{'run':<14} {'n':>2} {'val loss':>9} {'spread':>7} {'vs base':>8} {'tokens':>10} {'train s':>8} "
               f"{'tokens/s':>9} {'x-cluster MiB/rank':>19} {'bytes vs base':>14}")
     print(header)
     print("-" * len(header))
@@ -55,13 +60,13 @@ def main(argv=None) -> int:
         ratio = ("n/a" if not s["cross_cluster_bytes"] or not base["cross_cluster_bytes"]
                  else f"1/{base['cross_cluster_bytes'] / s['cross_cluster_bytes']:.1f}")
         print(f"{name:<14} {s['n']:>2} {s['val_loss']:>9.4f} {s['spread']:>7.4f} {gap:>+7.1f}% {s['tokens']:>10,} "
-              f"{s['elapsed_s']:>8.1f} {s['tokens_per_sec']:>9.0f} {_mb(s['cross_cluster_bytes']):>19} {ratio:>14}")
+              f"{s['train_s']:>8.1f} {s['tokens_per_sec']:>9.0f} {_mb(s['cross_cluster_bytes']):>19} {ratio:>14}")
     return 0
 
 
 def _mean(runs: list[dict]) -> dict:
     """Mean of each figure over runs, plus the validation-loss spread (max - min)."""
-    out = {key: sum(r[key] for r in runs) / len(runs) for key in ("val_loss", "tokens", "elapsed_s", "tokens_per_sec")}
+    out = {key: sum(r[key] for r in runs) / len(runs) for key in ("val_loss", "tokens", "train_s", "tokens_per_sec")}
     out["tokens"] = int(out["tokens"])
     xs = [r["cross_cluster_bytes"] for r in runs]
     out["cross_cluster_bytes"] = None if None in xs else sum(xs) / len(xs)

@@ -56,6 +56,7 @@ class Trainer:
         self.schedule = get_forward_backward_func()
         self.eval_round = 0
         self.final_val_loss = None
+        self.eval_s = 0.0  # duration of the last evaluation
         self.start_iteration = 0  # set by a checkpoint's restore
         self.window_loss = torch.zeros(2, dtype=torch.float64)  # loss and tokens since the last log
 
@@ -105,6 +106,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, iteration: int) -> float:
         self._phase("eval")
+        start = time.perf_counter()
         for chunk in self.model:
             chunk.eval()
         total = torch.zeros(2, dtype=torch.float64)
@@ -114,7 +116,8 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         val_loss = self._mean_over_replicas(total)
-        self.logger.evaluation(iteration, val_loss)
+        self.eval_s = time.perf_counter() - start
+        self.logger.evaluation(iteration, val_loss, eval_s=self.eval_s)
         return val_loss
 
     def _evaluate_global(self, iteration: int) -> float:
@@ -136,6 +139,9 @@ class Trainer:
         tokens_per_step = args.global_batch_size * args.seq_length
         window_loss = self.window_loss
         start = window_start = time.perf_counter()
+        # Validation and checkpoint saves pause the training clock (as Megatron's interval timer):
+        # tokens_per_sec and train_s measure training alone, elapsed_s is the wall clock.
+        paused = 0.0
         saved = None
         for iteration in range(self.start_iteration + 1, args.train_iters + 1):
             self._phase("step")
@@ -155,6 +161,7 @@ class Trainer:
                     tokens=iteration * tokens_per_step,
                     tokens_per_sec=tokens_per_step / per_iter,
                     elapsed_s=now - start,
+                    train_s=now - start - paused,
                     ms_per_iter=per_iter * 1000.0,
                     consumed_samples=iteration * args.global_batch_size,
                     global_batch_size=args.global_batch_size,
@@ -164,9 +171,13 @@ class Trainer:
                 window_start = time.perf_counter()
             if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
                 self._evaluate_global(iteration)
+                paused += self.eval_s
+                window_start += self.eval_s
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 saved = iteration
-                window_start += self.save(iteration)
+                save_s = self.save(iteration)
+                paused += save_s
+                window_start += save_s
             if args.exit_interval and iteration % args.exit_interval == 0 and iteration != args.train_iters:
                 # Stop without draining: the in-flight round is in the checkpoint.
                 if args.save and saved != iteration:

@@ -58,7 +58,7 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(scalars, step=step)
 
-    def train(self, iteration, lm_loss, lr, grad_norm, tokens, tokens_per_sec, elapsed_s,
+    def train(self, iteration, lm_loss, lr, grad_norm, tokens, tokens_per_sec, elapsed_s, train_s,
               ms_per_iter, consumed_samples, global_batch_size, cross_cluster_bytes=None):
         if not self.is_writer:
             return
@@ -71,18 +71,18 @@ class MetricsLogger:
             f" lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} |"
             + (f" cross-cluster bytes: {cross_cluster_bytes} |" if cross_cluster_bytes is not None else ""))
         record = dict(iteration=iteration, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm,
-                      tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s)
+                      tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s, train_s=train_s)
         if cross_cluster_bytes is not None:
             record["cross_cluster_bytes"] = cross_cluster_bytes
         self._record(record)
 
-    def evaluation(self, iteration, val_loss, label="validation"):
+    def evaluation(self, iteration, val_loss, eval_s, label="validation"):
         if not self.is_writer:
             return
         ppl = math.exp(min(20.0, val_loss))
         line = f" {label} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | lm loss PPL: {ppl:.6E} |"
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl))
+        self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl, eval_s=eval_s))
 
     def outer_round(self, record: dict):
         """One DiLoCoX round: ``outer_step``, ``iteration``, ``bytes_sent``, ``comm_s``, ..."""
