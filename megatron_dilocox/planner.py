@@ -17,7 +17,8 @@ bandwidth in Gbit/s (1 Gbps = 1e9 / 8 bytes/s), memory in GiB (2**30 bytes).
                 f * h + b(h)                   fc2
     final       ln
     output      V_pad * h if untied (tied: no new parameter; with PP > 1 the last stage holds a
-                copy of the embedding, counted in its memory and its pseudo-gradient, not here)
+                copy of the embedding, counted in its memory, not here; it follows the first
+                stage's copy, so it has no outer state and sends no pseudo-gradient)
 
 ``V_pad`` = vocab rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP).
 
@@ -174,6 +175,15 @@ def stage_tensors(m: ModelShape, tp: int, pp: int, stage: int) -> list[Tensor]:
             ts.append(Tensor("final_layernorm.bias", (h,)))
         if m.untie_embeddings_and_output_weights or pp > 1:  # tied + PP>1: a copy on the last stage
             ts.append(Tensor("output_layer", (v // tp, h)))
+    return ts
+
+
+def outer_tensors(m: ModelShape, tp: int, pp: int, stage: int) -> list[Tensor]:
+    """The stage's parameters in the DiLoCoX outer loop: all but a tied embedding's copy on the
+    last stage (training/dilocox.py mirrors it from the first stage instead of sending it)."""
+    ts = stage_tensors(m, tp, pp, stage)
+    if stage == pp - 1 and pp > 1 and not m.untie_embeddings_and_output_weights:
+        ts = [t for t in ts if t.name != "output_layer"]
     return ts
 
 
@@ -348,8 +358,9 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     stages = [stage_tensors(m, tp, pp, k) for k in range(pp)]
     stage_numel = [sum(t.numel for t in ts) for ts in stages]
     n_rank = max(stage_numel)
+    outer_stages = [outer_tensors(m, tp, pp, k) for k in range(pp)]
     shard_div = dp_in if lay.use_distributed_optimizer else 1
-    n_outer = n_rank / shard_div
+    n_outer = max(sum(t.numel for t in ts) for ts in outer_stages) / shard_div
     p = Plan(params=param_count(m, tp), params_per_rank=n_rank, outer_shard_params=math.ceil(n_outer),
              dp_in=dp_in, num_microbatches=nmb)
 
@@ -391,7 +402,7 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
                 out.append(t.shape)
         return out
 
-    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block) for ts in stages]
+    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block) for ts in outer_stages]
     wire = (lambda x: 2 * (c - 1) / c * x) if d.compression == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)

@@ -56,7 +56,8 @@ def run(spec, out):
     rank = dist.get_rank()
     info = {"hash_checks": 0}
     if trainer.dilocox is not None:
-        info["outer_numel"] = sum(p.numel() for p in trainer.dilocox.params)
+        info["param_numel"] = sum(p.numel() for p in trainer.dilocox.params)
+        info["outer_numel"] = sum(p.numel() for p in trainer.dilocox.outer_params)
         _checked_rounds(trainer, info)
     trainer.train()
     info["final_val_loss"] = trainer.final_val_loss

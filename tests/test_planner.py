@@ -41,7 +41,8 @@ def test_swiglu_untied_gqa_vocab_padding():
 
 
 def test_codec_bytes_match_measured_quickstart_last_stage():
-    """docs/compression.md: last pipeline stage of the quickstart model, 2 clusters x PP2."""
+    """docs/compression.md: last pipeline stage of the quickstart model, 2 clusters x PP2, measured
+    when that stage still sent its copy of the tied embedding (the codec formula on those shapes)."""
     shapes = [t.shape for t in pl.stage_tensors(pl.ModelShape(**QS), tp=1, pp=2, stage=1)]
     assert sum(math.prod(s) for s in shapes) == 2_628_608
     assert pl.codec_bytes(shapes, "none") == 10_514_432
@@ -55,6 +56,23 @@ def test_codec_bytes_match_measured_quickstart_last_stage():
         got = pl.codec_bytes(shapes, codec, bits=bits, rank=8)
         assert got == expected, (codec, bits)
         assert math.ceil((10 * got + pl.HANDSHAKE_BYTES) / 10) == docs[bits, codec]
+
+
+def test_tied_copy_stays_out_of_the_outer_loop():
+    m = pl.ModelShape(**QS)
+    last, outer = pl.stage_tensors(m, 1, 2, 1), pl.outer_tensors(m, 1, 2, 1)
+    assert [t.name for t in last if t not in outer] == ["output_layer"]
+    assert sum(t.numel for t in outer) == 2_628_608 - 4096 * 256
+    assert pl.outer_tensors(m, 1, 2, 0) == pl.stage_tensors(m, 1, 2, 0)
+    untied = pl.ModelShape(**QS, untie_embeddings_and_output_weights=True)
+    assert pl.outer_tensors(untied, 1, 2, 1) == pl.stage_tensors(untied, 1, 2, 1)
+    lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=16)
+    mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=0.01)
+    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="quantize", quant_bits=4)
+    p = pl.plan(m, lay, d, mach)
+    assert p.dilocox["payload_per_stage"] == [
+        pl.codec_bytes([t.shape for t in pl.outer_tensors(m, 1, 2, k)], "quantize", bits=4) for k in range(2)]
+    assert p.outer_shard_params == sum(t.numel for t in pl.stage_tensors(m, 1, 2, 0))  # the largest outer shard
 
 
 def test_memory_arithmetic_small_case():

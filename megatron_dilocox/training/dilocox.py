@@ -44,19 +44,25 @@ class DiLoCoX:
         self.config = config
         self.params = main_params(optimizer)
         self._check_identical_start()
+        self._tied_index = self._find_tied_embedding()
+        # The outer loop's parameters: all but the last stage's copy of a tied embedding, which
+        # follows the first stage's copy (see _mirror_tied_embedding) and is never sent.
+        self._tied_copy = self._tied_index is not None and not parallel_state.is_pipeline_first_stage(
+            ignore_virtual=True)
+        self.outer_params = [p for i, p in enumerate(self.params) if not (self._tied_copy and i == self._tied_index)]
         self.counter = ByteCounter()
         self.compressor = None
         reduce = partial(allreduce_mean, counter=self.counter)
         if compression.codec != "none":
             self.compressor = reduce = CompressedReducer(
-                [p.shape for p in self.params], compression.codec, bits=compression.bits, rank=compression.rank,
+                [p.shape for p in self.outer_params], compression.codec, bits=compression.bits, rank=compression.rank,
                 block=compression.block, error_feedback=compression.error_feedback, counter=self.counter,
                 seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
                 energy=compression.rank_energy, ef_decay=compression.ef_decay)
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
-        self.sync = OuterSync(self.params, topo.outer_reduce_group, config, reducer=reduce, counter=self.counter)
-        self._tied_index = self._find_tied_embedding()
+        self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
+                              counter=self.counter)
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
@@ -77,10 +83,11 @@ class DiLoCoX:
     def _find_tied_embedding(self) -> int | None:
         """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
 
-        megatron keeps the copies equal by reducing their gradients; the outer step must too,
-        but compressed (or, for C > 2, differently ordered) reductions of the two copies on
-        different stages are not bit-identical. :meth:`_mirror_tied_embedding` therefore makes
-        the last stage's copy follow the first stage's after every outer update.
+        megatron keeps the copies equal by reducing their gradients, so both stages train the
+        same values. Only the first stage's copy takes part in the outer loop; reducing the last
+        stage's too would send the embedding twice across clusters, and compressed (or, for
+        C > 2, differently ordered) reductions of the two would not be bit-identical.
+        :meth:`_mirror_tied_embedding` makes the last stage's copy follow after every outer update.
         """
         model_of = model_param_of(self.optimizer)
         tied = [i for i, p in enumerate(self.params) if getattr(model_of[id(p)], "shared_embedding", False)]
@@ -88,20 +95,13 @@ class DiLoCoX:
         return tied[0] if tied else None
 
     def _mirror_tied_embedding(self) -> None:
-        """Copies the first stage's embedding (params, base, round start) to the last stage's copy."""
+        """Copies the first stage's embedding to the last stage's copy (a collective of both)."""
         if self._tied_index is None:
             return
         group = parallel_state.get_embedding_group()
         first_stage = min(dist.get_process_group_ranks(group))  # stage 0 has the lowest rank (tp-pp-dp order)
-        i = self._tied_index
-        copies = [self.params[i], self.sync.views(self.sync.base)[i]]
-        if self.sync.round_start is not self.sync.base:
-            copies.append(self.sync.views(self.sync.round_start)[i])
         with torch.no_grad():
-            for tensor in copies:
-                staged = tensor.to(device())  # the outer state may live in host memory
-                dist.broadcast(staged, first_stage, group=group)
-                tensor.copy_(staged)
+            dist.broadcast(self.params[self._tied_index], first_stage, group=group)
 
     def is_boundary(self, iteration: int) -> bool:
         return iteration == self.next_boundary
@@ -201,8 +201,9 @@ class DiLoCoX:
         saved = [p.detach().clone() for p in self.params]
         base = self.sync.drained_base() if drained else self.sync.base
         with torch.no_grad():
-            for p, b in zip(self.params, self.sync.views(base)):
+            for p, b in zip(self.outer_params, self.sync.views(base)):
                 p.copy_(b)
+        self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         try:
             yield
