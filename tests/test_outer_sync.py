@@ -17,7 +17,7 @@ import torch
 
 from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
-from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
+from megatron_dilocox.outer.sync import ByteCounter, OuterSync, all_finite, allreduce_mean
 from launch import run_forked
 
 MODES = ("sync", "delay", "eager", "delay-naive")
@@ -352,3 +352,12 @@ def test_rejects_bad_setup():
     state = OuterSync(toy_init(), None, config("delay", clusters=1)).state_dict()
     with pytest.raises(ValueError, match="same mode"):
         OuterSync(toy_init(), None, config("sync", clusters=1)).load_state_dict(state)
+
+
+def test_all_finite_matches_isfinite():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3)) * 1e-3
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        y = x.clone()
+        y[7: 7 + len(bad)] = torch.tensor(bad)
+        assert not all_finite(y) and not bool(torch.isfinite(y).all()), bad

@@ -110,7 +110,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block: int = 256) -> QuantizedTenso
         raise ValueError(f"quantize needs a 1-D fp32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
     n = x.numel()
     blocks = math.ceil(n / block)
-    padded = torch.nn.functional.pad(x, (0, blocks * block - n)).view(blocks, block)
+    padded = (x if n == blocks * block else torch.nn.functional.pad(x, (0, blocks * block - n))).view(blocks, block)
     scales = padded.abs().amax(dim=1)  # NaN propagates into the scale
     # Zero blocks divide by 1 (and stay 0); NaN/inf blocks are carried by their scale alone.
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))

@@ -200,24 +200,25 @@ class CompressedReducer:
                 x = delta + self.residual
             else:
                 x = delta
-            out, own = torch.empty_like(x), torch.empty_like(x)
         if self.matrices:
-            self._lowrank_round(x, out, own)
+            out, own = self._lowrank_round(x)
         else:
-            self._dense_round(x, out, own)
+            out, own = self._dense_round(x)
 
         with self._timed("encode"):
-            err = torch.linalg.vector_norm(own - x).item()
+            # What compression dropped this round (the next residual under error feedback).
+            dropped = torch.sub(x, own, out=self.residual if self.error_feedback else None)
+            err = torch.linalg.vector_norm(dropped).item()
             norm = torch.linalg.vector_norm(x).item()
             residual_ratio = 0.0
             if self.error_feedback:
-                torch.sub(x, own, out=self.residual)
-                if not bool(torch.isfinite(self.residual).all()):
+                if not math.isfinite(err):
                     self.residual.zero_()  # a non-finite round is skipped by all; drop it here too
-                elif self.ef_decay != 1.0:
-                    self.residual.mul_(self.ef_decay)
-                dn = torch.linalg.vector_norm(delta).item()
-                residual_ratio = torch.linalg.vector_norm(self.residual).item() / dn if dn else 0.0
+                else:
+                    if self.ef_decay != 1.0:
+                        self.residual.mul_(self.ef_decay)
+                    dn = torch.linalg.vector_norm(delta).item()
+                    residual_ratio = self.ef_decay * err / dn if dn else 0.0
         self.last_stats = dict(
             round=self.round, codec=self.codec, dense_bytes=4 * self.numel,
             payload_bytes=self._payload, sent_bytes=self._sent,
@@ -240,16 +241,18 @@ class CompressedReducer:
             dst[o: o + n] = flat[offset: offset + n]
             offset += n
 
-    def _dense_round(self, x: torch.Tensor, out: torch.Tensor, own: torch.Tensor) -> None:
+    def _dense_round(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, own decoded) when every tensor is dense: the parts, in order, tile ``x``."""
         with self._timed("encode"):
             codec = SegmentCodec([n for _, n in self.dense], self.payload_bits, self.block)
             body = codec.encode(self._dense_parts(x))
         total, mine = self._exchange("dense", codec, body)
         with self._timed("decode"):
-            self._write_dense(self._div(total), out)
-            self._write_dense(mine, own)
+            return self._div(total), mine
 
-    def _lowrank_round(self, x: torch.Tensor, out: torch.Tensor, own: torch.Tensor) -> None:
+    def _lowrank_round(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, own decoded): low-rank matrices in two exchanges, the dense tensors with P."""
+        out, own = torch.empty_like(x), torch.empty_like(x)
         mats = [x[a.offset: a.offset + a.m * a.n].view(a.m, a.n) for a in self.matrices]
         dense_numels = [n for _, n in self.dense]
         with self._timed("encode"):
@@ -285,6 +288,7 @@ class CompressedReducer:
                 torch.matmul(p_hat[i], q_own[i].T, out=own[span].view(a.m, a.n))  # local only
                 plans.append(self._plan(i, q_mean[i]))
             self._q = self._warm_starts(plans)
+        return out, own
 
     def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[int, torch.Tensor, list[int], int]:
         """Next round's rank of matrix i and the columns of this round's Q to start it from."""
@@ -338,7 +342,10 @@ class CompressedReducer:
             total = mine = None
             for k, b in enumerate(bodies):  # fixed cluster order: the same adds on every rank
                 dec = codec.decode(b.to(self._device))
-                total = dec.clone() if total is None else total.add_(dec)
+                if total is None:
+                    total = dec.clone() if k == self._me else dec  # this rank's own stays intact
+                else:
+                    total.add_(dec)
                 if k == self._me:
                     mine = dec
         return total, mine

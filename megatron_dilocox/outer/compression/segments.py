@@ -47,9 +47,11 @@ class SegmentCodec:
             return torch.empty(0, dtype=torch.uint8)
         if self.bits == 32:
             return torch.cat(flat).view(torch.uint8)
-        stream = torch.cat([
-            torch.nn.functional.pad(p, (0, size - p.numel())) for p, size in zip(flat, self.padded)
-        ])
+        stream = flat[0].new_zeros(sum(self.padded))
+        offset = 0
+        for p, size in zip(flat, self.padded):
+            stream[offset: offset + p.numel()] = p
+            offset += size
         q = qz.quantize(stream, self.bits, self.block)
         return torch.cat([q.codes, q.scales.view(torch.uint8)])
 
