@@ -21,7 +21,8 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_loss" in r]
     assert [r["iteration"] for r in train] == list(range(20, 201, 20))
-    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s", "train_s"} <= set(train[0])
+    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "elapsed_s",
+            "train_s"} <= set(train[0])
     assert {"iteration", "val_loss", "val_ppl", "eval_s"} <= set(evals[0])
     # Validation pauses the training clock: the wall clock runs ahead of it by exactly the
     # evaluations done so far (the log itself takes microseconds).
