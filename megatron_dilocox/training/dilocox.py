@@ -47,9 +47,8 @@ class DiLoCoX:
         self._tied_index = self._find_tied_embedding()
         # The outer loop's parameters: all but the last stage's copy of a tied embedding, which
         # follows the first stage's copy (see _mirror_tied_embedding) and is never sent.
-        self._tied_copy = self._tied_index is not None and not parallel_state.is_pipeline_first_stage(
-            ignore_virtual=True)
-        self.outer_params = [p for i, p in enumerate(self.params) if not (self._tied_copy and i == self._tied_index)]
+        copy_index = None if parallel_state.is_pipeline_first_stage(ignore_virtual=True) else self._tied_index
+        self.outer_params = [p for i, p in enumerate(self.params) if i != copy_index]
         self.counter = ByteCounter()
         self.compressor = None
         reduce = partial(allreduce_mean, counter=self.counter)

@@ -169,15 +169,15 @@ class Trainer:
                 )
                 window_loss.zero_()
                 window_start = time.perf_counter()
+            off_clock = 0.0
             if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
                 self._evaluate_global(iteration)
-                paused += self.eval_s
-                window_start += self.eval_s
+                off_clock += self.eval_s
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 saved = iteration
-                save_s = self.save(iteration)
-                paused += save_s
-                window_start += save_s
+                off_clock += self.save(iteration)
+            paused += off_clock
+            window_start += off_clock
             if args.exit_interval and iteration % args.exit_interval == 0 and iteration != args.train_iters:
                 # Stop without draining: the in-flight round is in the checkpoint.
                 if args.save and saved != iteration:
