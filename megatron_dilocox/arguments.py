@@ -111,6 +111,9 @@ def _logging_args(parser):
     g = parser.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every N iterations.")
     g.add_argument("--eval-iters", type=int, default=100, help="Validation batches per evaluation.")
+    g.add_argument("--full-validation", action="store_true",
+                   help="Every evaluation runs over the whole validation split, the same batches each time "
+                        "(one epoch; --eval-iters is ignored), so evaluations are comparable across runs.")
     g.add_argument("--log-interval", type=int, default=100, help="Log every N iterations.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--wandb-project", default=None, help="Log to this Weights & Biases project.")

@@ -57,7 +57,9 @@ def build_datasets(args, tokenizer):
         blend = _blend(args.data_path)
         _check_files(blend[0], tokenizer.vocab_size)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    sizes = [args.train_iters * args.global_batch_size, evals * args.global_batch_size, 0]
+    # None: one epoch of the validation split, for --full-validation.
+    valid_size = None if args.full_validation else evals * args.global_batch_size
+    sizes = [args.train_iters * args.global_batch_size, valid_size, 0]
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -70,6 +72,7 @@ def build_datasets(args, tokenizer):
         create_attention_mask=False,
         path_to_cache=args.data_cache_path,
         mid_level_dataset_surplus=0.005,
+        full_validation=args.full_validation,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
     try:
@@ -79,6 +82,9 @@ def build_datasets(args, tokenizer):
         raise ConfigError(f"--data-path {' '.join(args.data_path or [])}: unreadable dataset: {first_line}") from err
     if train is None or valid is None:
         raise ConfigError(f"--split {args.split}: the train and validation splits must both be non-empty")
+    if args.full_validation and len(valid) < args.global_batch_size:
+        raise ConfigError(f"--full-validation: the validation split has {len(valid)} samples, fewer than one "
+                          f"--global-batch-size {args.global_batch_size}; give it more with --split")
     return train, valid
 
 

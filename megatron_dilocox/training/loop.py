@@ -75,12 +75,17 @@ class Trainer:
             return torch.zeros(2, dtype=torch.float64)
         return torch.stack([x["lm loss"] for x in losses]).sum(0).double().cpu()
 
+    def _sum_over_replicas(self, loss_and_tokens: torch.Tensor) -> torch.Tensor:
+        """(..., 2) loss and token sums, summed over the cluster's data-parallel replicas."""
+        total = loss_and_tokens.to(device())
+        dist.all_reduce(total, group=self.topo.pg_collection.dp)
+        return total.cpu()
+
     def _mean_over_replicas(self, loss_and_tokens: torch.Tensor) -> float:
         """Token-weighted mean loss over the cluster's data-parallel replicas (last stage only)."""
         if not self.is_last_stage:
             return float("nan")
-        total = loss_and_tokens.to(device())
-        dist.all_reduce(total, group=self.topo.pg_collection.dp)
+        total = self._sum_over_replicas(loss_and_tokens)
         return float(total[0] / total[1])
 
     def _phase(self, name: str) -> None:
@@ -109,15 +114,26 @@ class Trainer:
         start = time.perf_counter()
         for chunk in self.model:
             chunk.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        for _ in range(self.args.eval_iters):
-            total += self._run_schedule(self.valid_batches, self.eval_round, forward_only=True)
+        if self.args.full_validation:  # the same batches every time: the whole split, once
+            self.eval_round = 0
+            batches = len(self.valid_batches.dataset) // self.args.global_batch_size
+        else:
+            batches = self.args.eval_iters
+        per_batch = torch.zeros(batches, 2, dtype=torch.float64)
+        for b in range(batches):
+            per_batch[b] = self._run_schedule(self.valid_batches, self.eval_round, forward_only=True)
             self.eval_round += 1
         for chunk in self.model:
             chunk.train()
-        val_loss = self._mean_over_replicas(total)
+        val_loss = val_loss_se = float("nan")
+        if self.is_last_stage:
+            per_batch = self._sum_over_replicas(per_batch)
+            val_loss = float(per_batch[:, 0].sum() / per_batch[:, 1].sum())
+            # Standard error of the validation loss from the spread of its batches' mean losses.
+            if batches > 1:
+                val_loss_se = float((per_batch[:, 0] / per_batch[:, 1]).std() / batches ** 0.5)
         self.eval_s = time.perf_counter() - start
-        self.logger.evaluation(iteration, val_loss, eval_s=self.eval_s)
+        self.logger.evaluation(iteration, val_loss, eval_s=self.eval_s, val_loss_se=val_loss_se, batches=batches)
         return val_loss
 
     def _evaluate_global(self, iteration: int) -> float:

@@ -76,13 +76,15 @@ class MetricsLogger:
             record["cross_cluster_bytes"] = cross_cluster_bytes
         self._record(record)
 
-    def evaluation(self, iteration, val_loss, eval_s, label="validation"):
+    def evaluation(self, iteration, val_loss, eval_s, val_loss_se, batches, label="validation"):
+        """``val_loss_se``: standard error of ``val_loss`` over its ``batches`` batches (nan for one)."""
         if not self.is_writer:
             return
         ppl = math.exp(min(20.0, val_loss))
         line = f" {label} loss at iteration {iteration} | lm loss value: {val_loss:.6E} | lm loss PPL: {ppl:.6E} |"
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
-        self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl, eval_s=eval_s))
+        self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl, eval_s=eval_s,
+                          val_loss_se=val_loss_se, val_batches=batches))
 
     def outer_round(self, record: dict):
         """One DiLoCoX round: ``outer_step``, ``iteration``, ``bytes_sent``, ``comm_s``, ..."""
