@@ -10,6 +10,16 @@ alike (``delay=seed1.jsonl delay=seed2.jsonl``) averages them and shows the spre
 import argparse
 import json
 import sys
+from pathlib import Path
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a ``--metrics-file``; SystemExit with a one-line error if unreadable."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {path}: {err}") from None
 
 
 def summarize(path: str) -> dict:
@@ -18,11 +28,7 @@ def summarize(path: str) -> dict:
     ``train_s`` and ``tokens_per_sec`` leave out validation and checkpoint saves (as the
     training log does); ``wall_s`` is the wall clock at the last training record.
     """
-    try:
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"compare_runs.py: error: {path}: {err}") from None
+    records = read_records(path)
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_loss" in r]
     if not train or not evals:
