@@ -8,7 +8,9 @@ of training, and fails if there is none. Per scenario it writes
 OUT_DIR/NAME.metrics.jsonl (the run's metrics file), OUT_DIR/NAME.params.RANK.pt (full
 parameters of the rank's pipeline stage, from TP rank 0 of each cluster's first replica) and
 OUT_DIR/NAME.info.RANK.json. Under DiLoCoX it checks after every round that the global
-parameters are bit-identical across clusters.
+parameters are bit-identical across clusters and records per round whether it was skipped, kept
+base unchanged and left the replica at base; "inject_nan": {"rank": R, "iteration": I} puts a NaN
+into one parameter of rank R just before the round boundary after iteration I.
 """
 
 import hashlib
@@ -27,15 +29,34 @@ from megatron.core import parallel_state
 def _checked_rounds(trainer, info):
     """Wraps the round boundary with a cross-cluster hash check of the global parameters."""
     boundary = trainer.dilocox.step
+    sync = trainer.dilocox.sync
+    info["rounds"] = []
 
     def step(iteration):
+        before = hashlib.sha256(sync.base.numpy().tobytes()).hexdigest()
         record = boundary(iteration)
-        digest = hashlib.sha256(trainer.dilocox.sync.base.numpy().tobytes()).hexdigest()
+        digest = hashlib.sha256(sync.base.numpy().tobytes()).hexdigest()
         everyone = [None] * trainer.topo.clusters
         dist.all_gather_object(everyone, digest, group=trainer.topo.outer_group)
         assert len(set(everyone)) == 1, f"global params differ across clusters after iteration {iteration}"
         info["hash_checks"] += 1
+        info["rounds"].append({"skipped": record["skipped"], "base_kept": digest == before,
+                               "at_base": bool(torch.equal(sync.round_start, sync.base))})
         return record
+
+    trainer.dilocox.step = step
+
+
+def _inject_nan(trainer, at):
+    """Test hook: a NaN in this rank's first outer parameter right before the boundary of
+    iteration ``at["iteration"]``, on rank ``at["rank"]`` only."""
+    boundary = trainer.dilocox.step
+
+    def step(iteration):
+        if iteration == at["iteration"] and dist.get_rank() == at["rank"]:
+            with torch.no_grad():
+                trainer.dilocox.outer_params[0].view(-1)[0] = float("nan")
+        return boundary(iteration)
 
     trainer.dilocox.step = step
 
@@ -58,6 +79,8 @@ def run(spec, out):
     if trainer.dilocox is not None:
         info["param_numel"] = sum(p.numel() for p in trainer.dilocox.params)
         info["outer_numel"] = sum(p.numel() for p in trainer.dilocox.outer_params)
+        if "inject_nan" in spec:
+            _inject_nan(trainer, spec["inject_nan"])
         _checked_rounds(trainer, info)
     trainer.train()
     info["final_val_loss"] = trainer.final_val_loss

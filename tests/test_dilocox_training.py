@@ -21,6 +21,10 @@ MODES = ("sync", "delay")
 ADAPTIVE_H = ["--dilocox-min-local-steps", "2", "--dilocox-max-local-steps", "6", "--dilocox-emulated-delay-s", "3"]
 COMPRESSED = ["--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-quant-bits", "4",
               "--dilocox-adaptive", "--dilocox-error-feedback"]
+# A NaN in one parameter of rank 0 (stage 0, or TP rank 0, of cluster 0) before the first boundary,
+# and the rounds every rank must skip: delay mode applies that round at the second boundary.
+NAN_RUNS = {"nan_pp2": (LAYOUTS["pp2"] + ["--dilocox-sync-mode", "delay"], [False, True, False]),
+            "nan_tp2": (LAYOUTS["tp2"] + ["--dilocox-sync-mode", "sync"], [True, False, False])}
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +34,8 @@ def runs(tmp_path_factory):
              for layout, flags in LAYOUTS.items() for mode in MODES]
     specs.append({"name": "compressed", "flags": MODEL + LAYOUTS["pp2"] + COMPRESSED})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
+    specs += [{"name": name, "flags": MODEL + flags, "inject_nan": {"rank": 0, "iteration": H}}
+              for name, (flags, _) in NAN_RUNS.items()]
     (out / "spec.json").write_text(json.dumps(specs))
     torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")])
     refs = [{"name": mode, "flags": MODEL + ["--dilocox-sync-mode", mode]} for mode in MODES]
@@ -128,3 +134,23 @@ def test_adaptive_local_steps(runs):
     assert [(r["iteration"], r["local_steps"]) for r in rounds] == [(3, 3), (6, 6)]
     infos = [json.loads((runs / f"adaptive_h.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == 2 for info in infos)
+
+
+@pytest.mark.parametrize("name", list(NAN_RUNS))
+def test_non_finite_round_is_skipped_by_the_whole_model(runs, name):
+    """A NaN on one rank of one cluster: every stage and TP rank of every cluster skips the same
+    round (base unchanged), the metrics record says so, and nothing crosses between boundaries."""
+    skipped = NAN_RUNS[name][1]
+    infos = [json.loads((runs / f"{name}.info.{rank}.json").read_text()) for rank in range(4)]
+    applied = [not skip for skip in skipped]
+    if name == "nan_pp2":
+        applied[0] = False  # delay mode: nothing to apply at the first boundary
+    for rank, info in enumerate(infos):
+        assert [r["skipped"] for r in info["rounds"]] == skipped, rank
+        assert [not r["base_kept"] for r in info["rounds"]] == applied, rank
+    if name == "nan_pp2":  # delay mode: the whole replica with the NaN restarts from base at once
+        assert [info["rounds"][0]["at_base"] for info in infos] == [True, True, False, False]
+    rounds = [r for r in read_jsonl(runs / f"{name}.metrics.jsonl") if "outer_step" in r]
+    assert [r["skipped"] for r in rounds] == skipped + ([False] if name == "nan_pp2" else [])
+    assert all(r["cross_cluster_bytes_between_boundaries"] == 0 for r in rounds)
+    assert all(info["final_val_loss"] == info["final_val_loss"] for info in infos[1::2])  # finite at the end

@@ -361,3 +361,30 @@ def test_all_finite_matches_isfinite():
         y = x.clone()
         y[7: 7 + len(bad)] = torch.tensor(bad)
         assert not all_finite(y) and not bool(torch.isfinite(y).all()), bad
+
+
+@pytest.mark.parametrize("mode", ["sync", "delay"])
+def test_agreed_finiteness_decides_the_skip(mode):
+    """The ``agree`` hook's answer, not this rank's own finite shard, decides: another rank of the
+    model reporting a NaN makes this one skip the round and restart from base too."""
+    asked = []
+
+    def others_saw_nan(flags):
+        asked.append(list(flags))
+        return [False] * len(flags)
+
+    params = toy_init()
+    sync = OuterSync(params, None, config(mode, clusters=1), agree=others_saw_nan)
+    start = sync.base.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for r in range(2):
+            local_steps(params, toy_data(0), 2)
+            stats = sync.step(r)
+        fin = sync.finish()
+    assert asked[0] == [True, True]  # this rank's own answers: all finite
+    assert stats.skipped and (fin is None) == (mode == "sync") and (fin is None or fin.skipped)
+    assert torch.equal(sync.base, start)  # nothing applied
+    assert all(torch.equal(p, v) for p, v in zip(params, sync.views(sync.base)))
+    assert any("skipping the outer update" in str(w.message) for w in caught)
+    sync.close()

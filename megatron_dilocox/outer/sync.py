@@ -30,11 +30,14 @@ Modes at boundary t:
 
 Non-finite pseudo-gradients: the reduced ``g`` is checked with :func:`all_finite` before it is
 applied. Any NaN/Inf sent by any cluster makes the fp32 sum non-finite, and the reduced tensor is
-bit-identical on every rank, so all ranks skip the same round (``RoundStats.skipped``), without
-an extra collective. On a skip ``base`` is unchanged and the round's work is dropped everywhere:
-``params`` restart from ``base`` (in ``delay`` mode from ``base - delta_t``, the fresh progress
-that is already on its way). A replica whose own ``delta_t`` is non-finite still sends it (so the
-group skips it in step) but restarts from ``base`` at once instead of training on NaN.
+bit-identical on every rank of the outer group. A rank holds only a shard of the model, so the
+shards' answers are combined by the ``agree`` callable (the DiLoCoX glue: one tiny all-reduce
+inside the cluster); as every cluster combines the same bits, all ranks of all clusters skip the
+same round (``RoundStats.skipped``) with no cross-cluster traffic. On a skip ``base`` is unchanged
+and the round's work is dropped everywhere: ``params`` restart from ``base`` (in ``delay`` mode
+from ``base - delta_t``, the fresh progress that is already on its way). A replica with a
+non-finite ``delta_t`` on any of its ranks still sends it (so the group skips it in step) but
+restarts from ``base`` at once instead of training on NaN.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from megatron_dilocox.config import DiLoCoXConfig
 from megatron_dilocox.outer.optimizer import OuterNesterov
 
 Reducer = Callable[[list[torch.Tensor], Any], list[torch.Tensor]]
+Agree = Callable[[list[bool]], list[bool]]
 
 
 @dataclass
@@ -80,7 +84,7 @@ class RoundStats:
     pseudo_grad_sq: float
     """Squared L2 norm of the local ``delta``; sum it within the cluster for the global norm."""
     skipped: bool
-    """The reduced pseudo-gradient was non-finite and was not applied."""
+    """The reduced pseudo-gradient was non-finite somewhere in the model and was not applied."""
 
 
 class ByteCounter:
@@ -159,6 +163,9 @@ class OuterSync:
             (a test hook; it must return bit-identical results on all ranks and should send
             through ``counter`` to be counted).
         counter: byte counter for the default reducer; a fresh one if None.
+        agree: ``agree(flags) -> flags``: each flag ANDed over all ranks holding a part of this
+            rank's model replica, the same answer on each of them (a collective: called at the
+            same points on all of them). None: the identity, for a replica on one rank.
     """
 
     def __init__(
@@ -168,6 +175,7 @@ class OuterSync:
         config: DiLoCoXConfig,
         reducer: Reducer | None = None,
         counter: ByteCounter | None = None,
+        agree: Agree | None = None,
     ):
         config.validate()
         self.params = list(params)
@@ -187,6 +195,7 @@ class OuterSync:
         self.config = config
         self.counter = counter if counter is not None else ByteCounter()
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
+        self.agree = agree or (lambda flags: flags)
         with torch.no_grad():
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
@@ -212,18 +221,20 @@ class OuterSync:
         delta = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         torch.sub(self.round_start, delta, out=delta)
         sq = float(torch.dot(delta, delta))
-        local_ok = math.isfinite(sq)  # as all_finite: a NaN or Inf makes the sum of squares one
 
         if mode == "sync":
             self._submit(delta)
         result, wait_s = self._wait()  # sync: this round's; delay modes: the previous round's
-        skipped = result is not None and not self._apply(result.grad)
+        # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
+        finite, local_ok = self.agree([result is None or all_finite(result.grad), math.isfinite(sq)])
+        skipped = result is not None and not self._apply(result.grad, finite)
         if self._carry:
             if local_ok:
                 torch.sub(self.base, delta, alpha=self._carry, out=self.round_start)
             else:
                 warnings.warn(
-                    f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite; "
+                    f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite "
+                    "(on this rank or another of the replica); "
                     "restarting this replica from base (the group skips it next boundary)",
                     RuntimeWarning,
                 )
@@ -254,7 +265,8 @@ class OuterSync:
         result, wait_s = self._wait()
         if result is None:
             return None
-        skipped = not self._apply(result.grad)
+        (finite,) = self.agree([all_finite(result.grad)])
+        skipped = not self._apply(result.grad, finite)
         self.round_start.copy_(self.base)
         self._write_params(self.base)
         return RoundStats(
@@ -294,7 +306,8 @@ class OuterSync:
         if result is None:
             return self.base
         self._inflight = _done(result)
-        if not all_finite(result.grad):
+        (finite,) = self.agree([all_finite(result.grad)])
+        if not finite:
             return self.base
         base = self.base.clone()
         preview = OuterNesterov([base], self.config.outer_lr, self.config.outer_momentum, self.config.nesterov)
@@ -371,11 +384,12 @@ class OuterSync:
         self._inflight = None
         return result, time.perf_counter() - start
 
-    def _apply(self, g: torch.Tensor) -> bool:
-        if not all_finite(g):
+    def _apply(self, g: torch.Tensor, finite: bool) -> bool:
+        """Applies ``g`` if ``finite`` (the agreed answer for the whole model); returns that."""
+        if not finite:
             warnings.warn(
-                f"DiLoCoX outer step {self.outer_step}: reduced pseudo-gradient is non-finite; "
-                "skipping the outer update",
+                f"DiLoCoX outer step {self.outer_step}: reduced pseudo-gradient is non-finite "
+                "(on this rank or another of the model); skipping the outer update",
                 RuntimeWarning,
             )
             return False

@@ -61,7 +61,7 @@ class DiLoCoX:
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
-                              counter=self.counter)
+                              counter=self.counter, agree=self._agree)
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
@@ -78,6 +78,14 @@ class DiLoCoX:
         dist.all_gather_object(everyone, mine, group=self.topo.outer_group)
         if len(set(everyone)) != 1:
             raise RuntimeError(f"DiLoCoX replicas start from different weights: {everyone}")
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag ANDed over this rank's cluster (one tiny all-reduce inside it), so a round is
+        skipped by the whole model or not at all; on reduced results, bit-identical across
+        clusters, every cluster reaches the same answer without talking to the others."""
+        flags = torch.tensor(flags, dtype=torch.int32, device=device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.topo.cluster_group)
+        return [bool(f) for f in flags.tolist()]
 
     def _find_tied_embedding(self) -> int | None:
         """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
