@@ -5,7 +5,19 @@ import math
 from dataclasses import dataclass
 
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
-CODECS = ("none", "quantize", "lowrank", "lowrank-quantize")
+CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
+QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
+"""``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
+
+
+def default_bits(codec: str) -> int:
+    """``--dilocox-quant-bits`` when not given: 8 (4 for ``topk``, see :class:`CompressionConfig`)."""
+    return 4 if codec == "topk" else 8
+
+
+def default_error_feedback(codec: str) -> bool:
+    """``--dilocox-error-feedback`` when not given: on for ``topk`` only."""
+    return codec == "topk"
 
 
 @dataclass
@@ -105,11 +117,14 @@ class CompressionConfig:
     """How the pseudo-gradient is compressed for the cross-cluster exchange (``--dilocox-*``)."""
 
     codec: str = "lowrank-quantize"
-    """``none``, ``quantize``, ``lowrank`` or ``lowrank-quantize``. ``--dilocox-compression``."""
+    """``none``, ``quantize``, ``lowrank``, ``lowrank-quantize`` or ``topk``. ``--dilocox-compression``."""
 
-    bits: int = 8
-    """Bits per quantized value, 8 or 4. ``--dilocox-quant-bits``. 8 by measurement: rank 8 with
-    8-bit factors sent 96x fewer bytes than fp32 at +0.8% loss, 4-bit 189x at +2% (docs/compression.md)."""
+    bits: int | None = None
+    """Bits per quantized value, 8 or 4; ``topk``: 2, 3 or 4. ``--dilocox-quant-bits``. None: 8
+    (4 for ``topk``). 8 by measurement: rank 8 with 8-bit factors sent 96x fewer bytes than fp32
+    at +0.8% loss, 4-bit 189x at +2% (docs/compression.md). ``topk``'s 4: its indices outweigh its
+    values (12 bits each in chunks of 4096), so 4-bit values cost 14% more bytes than 2-bit ones
+    for a grid four times finer; SparseLoCo trains with 2."""
 
     block: int = 256
     """Values per quantization block (one fp32 absmax scale each). ``--dilocox-quant-block``."""
@@ -127,20 +142,37 @@ class CompressionConfig:
     adaptive: bool = False
     """Choose each matrix's rank every round from the spectrum. ``--dilocox-adaptive``."""
 
-    error_feedback: bool = False
+    error_feedback: bool | None = None
     """Keep what compression dropped and add it to the next round. ``--dilocox-error-feedback``.
-    Off by measurement: with outer momentum the residual grew to 3x the pseudo-gradient and
+    None: on for ``topk``, which drops most entries every round (they must arrive later), off for
+    the others by measurement: with outer momentum the residual grew to 3x the pseudo-gradient and
     bought no loss (docs/compression.md)."""
 
     ef_decay: float = 1.0
-    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``."""
+    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``
+    (SparseLoCo uses 0.95)."""
+
+    topk_density: float = 1 / 64
+    """``topk``: fraction of each chunk's entries sent, in (0, 1]. ``--dilocox-topk-density``."""
+
+    topk_chunk: int = 4096
+    """``topk``: elements per chunk (each keeps its own top entries and scale).
+    ``--dilocox-topk-chunk``."""
+
+    def __post_init__(self):
+        if self.bits is None:
+            self.bits = default_bits(self.codec)
+        if self.error_feedback is None:
+            self.error_feedback = default_error_feedback(self.codec)
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message naming the offending flag."""
         if self.codec not in CODECS:
             raise ValueError(f"--dilocox-compression must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        if self.bits not in (4, 8):
-            raise ValueError(f"--dilocox-quant-bits must be 8 or 4, got {self.bits}")
+        allowed = QUANT_BITS.get(self.codec, QUANT_BITS["quantize"])
+        if self.bits not in allowed:
+            raise ValueError(f"--dilocox-quant-bits must be {', '.join(map(str, allowed))} with "
+                             f"--dilocox-compression {self.codec}, got {self.bits}")
         if self.block < 2 or self.block % 2:
             raise ValueError(f"--dilocox-quant-block must be an even number >= 2, got {self.block}")
         if not 1 <= self.min_rank <= self.rank:
@@ -149,3 +181,7 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-rank-energy must be in (0, 1], got {self.rank_energy}")
         if not 0 <= self.ef_decay <= 1:
             raise ValueError(f"--dilocox-ef-decay must be in [0, 1], got {self.ef_decay}")
+        if not 0 < self.topk_density <= 1:
+            raise ValueError(f"--dilocox-topk-density must be in (0, 1], got {self.topk_density}")
+        if self.topk_chunk < 2:
+            raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")

@@ -32,6 +32,8 @@ low-rank matrices:
 * ``quantize``: ``H + sum_all S(numel)`` (one exchange).
 * ``lowrank`` / ``lowrank-quantize``: ``H + sum_i S(m_i r_i) + sum_d S(numel_d)`` (P and the
   dense tensors), then ``H + sum_i S(n_i r_i)`` (Q): two dependent exchanges.
+* ``topk``: ``H + T(numel)`` (one exchange), ``T`` = :func:`.topk.nbytes` (chunked indices,
+  codes and scales; formula in ``topk.py``).
 * plus 32 bytes for the handshake at the first round and after a resume.
 """
 from __future__ import annotations
@@ -46,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.outer.compression import comm, lowrank, wire
+from megatron_dilocox.config import QUANT_BITS, default_bits, default_error_feedback
+from megatron_dilocox.outer.compression import comm, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
 
@@ -77,11 +80,14 @@ class CompressedReducer:
             than the matrix, the rest go dense.
         codec: ``none`` (fp32 all-reduce), ``quantize`` (every tensor blockwise int8/int4),
             ``lowrank`` (PowerSGD fp32 factors, dense tensors fp32), ``lowrank-quantize``
-            (factors and dense tensors quantized).
-        bits: 8 or 4, for the quantizing codecs.
+            (factors and dense tensors quantized), ``topk`` (the flat buffer's largest entries
+            per chunk, low-bit, see ``topk.py``).
+        bits: 8 or 4 for the quantizing codecs, 2, 3 or 4 for ``topk``; None: the codec's
+            default (:func:`~megatron_dilocox.config.default_bits`).
         rank: PowerSGD rank (the maximum when ``adaptive``); capped at min(m, n) per matrix.
         block: elements per quantization scale (even).
-        error_feedback: keep the compression error locally and add it to the next round.
+        error_feedback: keep the compression error locally and add it to the next round;
+            None: the codec's default (on for ``topk`` only).
         counter: ByteCounter to count sent bytes on (share OuterSync's); None counts nothing.
         seed: seed of the random warm-start factors (must match across clusters).
         adaptive: choose each matrix's rank every round from the shared spectrum
@@ -90,26 +96,35 @@ class CompressedReducer:
         energy: fraction of the spectrum's energy the adaptive rank keeps, in (0, 1].
         ef_decay: factor in [0, 1] on the residual kept for the next round (1: plain error
             feedback; below 1 damps stale residuals, at the price of some bias).
+        chunk: ``topk``: elements per chunk.
+        density: ``topk``: fraction of each chunk sent.
     """
 
     def __init__(
         self,
         shapes: Sequence[Sequence[int]],
         codec: str = "lowrank-quantize",
-        bits: int = 8,
+        bits: int | None = None,
         rank: int = 8,
         block: int = 256,
-        error_feedback: bool = False,
+        error_feedback: bool | None = None,
         counter: ByteCounter | None = None,
         seed: int = 0,
         adaptive: bool = False,
         min_rank: int = 1,
         energy: float = 0.9,
         ef_decay: float = 1.0,
+        chunk: int = 4096,
+        density: float = 1 / 64,
     ):
         if codec not in CODECS:
             raise ValueError(f"unknown compression codec {codec!r}; choose one of {', '.join(CODECS)}")
-        if codec in ("quantize", "lowrank-quantize"):
+        bits = default_bits(codec) if bits is None else bits
+        if error_feedback is None:
+            error_feedback = default_error_feedback(codec)
+        if codec == "topk":
+            topk.check_args(chunk, density, bits)
+        elif codec in QUANT_BITS:
             qz.check_args(bits, block)
         if not 1 <= min_rank <= rank:
             raise ValueError(f"need 1 <= min_rank <= rank, got min_rank {min_rank}, rank {rank}")
@@ -122,7 +137,8 @@ class CompressedReducer:
         self.error_feedback, self.ef_decay = error_feedback and codec != "none", ef_decay
         self.counter, self.seed = counter, seed
         self.adaptive, self.min_rank, self.energy = adaptive, min_rank, energy
-        self.payload_bits = bits if codec in ("quantize", "lowrank-quantize") else 32
+        self.chunk, self.density = chunk, density
+        self.payload_bits = bits if codec in QUANT_BITS else 32
         self.numel = sum(s.numel() for s in self.shapes)
 
         self.matrices: list[_Matrix] = []
@@ -243,8 +259,12 @@ class CompressedReducer:
 
     def _dense_round(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, own decoded) when every tensor is dense: the parts, in order, tile ``x``."""
+        numels = [n for _, n in self.dense]
         with self._timed("encode"):
-            codec = SegmentCodec([n for _, n in self.dense], self.payload_bits, self.block)
+            if self.codec == "topk":
+                codec = topk.TopKCodec(numels, self.bits, self.chunk, self.density)
+            else:
+                codec = SegmentCodec(numels, self.payload_bits, self.block)
             body = codec.encode(self._dense_parts(x))
         total, mine = self._exchange("dense", codec, body)
         with self._timed("decode"):
@@ -326,12 +346,11 @@ class CompressedReducer:
 
     # -- exchange ----------------------------------------------------------------------------
 
-    def _exchange(self, stage: str, codec: SegmentCodec, body: torch.Tensor):
+    def _exchange(self, stage: str, codec: SegmentCodec | topk.TopKCodec, body: torch.Tensor):
         """All-gathers this rank's framed ``body``; returns (sum in cluster order, own decoded)."""
         with self._timed("encode"):
             header = wire.Header(self.codec, self.payload_bits, stage, self.round, self._me,
-                                 wire.layout_digest(stage, codec.numels, codec.bits, codec.block, "fp32"),
-                                 codec.nbytes)
+                                 wire.layout_digest(stage, *codec.layout), codec.nbytes)
             payload = wire.frame(body, header)
         with self._timed("comm"):
             rows = comm.all_gather_bytes(payload, self._group, self.counter)
@@ -369,7 +388,8 @@ class CompressedReducer:
                         f"outer round {self.round}: cluster {k} runs different compression settings or "
                         f"state than cluster {self._me} (this one: codec {self.codec}, bits {self.bits}, "
                         f"rank {self.rank}, block {self.block}, adaptive {self.adaptive}, ranks "
-                        f"{self.ranks}); all clusters need the same compression flags and must resume "
+                        f"{self.ranks}, topk chunk {self.chunk}, density {self.density}); all clusters "
+                        "need the same compression flags and must resume "
                         "from the same checkpoint"
                     )
         self._agreed = True
@@ -380,8 +400,10 @@ class CompressedReducer:
     # -- checkpointing -----------------------------------------------------------------------
 
     def _setup(self) -> tuple:
+        # topk's settings only for topk, so checkpoints of the other codecs keep loading.
+        extra = (self.chunk, self.density) if self.codec == "topk" else ()
         return (_STATE_VERSION, self.codec, self.payload_bits, self.block, self.rank, self.min_rank,
-                self.adaptive, self.energy, self.seed, tuple(tuple(s) for s in self.shapes))
+                self.adaptive, self.energy, self.seed, tuple(tuple(s) for s in self.shapes)) + extra
 
     def state_dict(self) -> dict[str, Any]:
         """Round counter, warm-start factors, ranks and the error-feedback residual.
@@ -398,7 +420,7 @@ class CompressedReducer:
             raise ValueError(
                 "compression checkpoint was written with different settings: "
                 f"{state['setup']} (version, codec, bits, block, rank, min_rank, adaptive, energy, "
-                f"seed, shapes), this run has {self._setup()}"
+                f"seed, shapes[, topk chunk, density]), this run has {self._setup()}"
             )
         self.round = int(state["round"])
         self.ranks = [int(r) for r in state["ranks"]]

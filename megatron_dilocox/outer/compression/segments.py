@@ -30,6 +30,8 @@ class SegmentCodec:
         self.numels = [int(n) for n in numels]
         self.bits, self.block = bits, block
         self.numel = sum(self.numels)
+        self.layout = (self.numels, bits, block, "fp32")
+        """What the payload header's layout digest covers."""
         if bits == 32:
             self.nbytes = 4 * self.numel
         else:

@@ -5,11 +5,11 @@ Header (little-endian)::
     magic  4s  b"DLCX"
     version B  1
     codec  B   CODECS index
-    bits   B   32 (raw fp32), 8 or 4
+    bits   B   32 (raw fp32), 8 or 4; topk 2, 3 or 4
     stage  B   STAGES index: which exchange of the round this is
     round  Q   outer round number (1 at the first reduction)
     sender I   rank of the sender in the outer group, i.e. its cluster index
-    layout Q   digest of what the body holds (tensor sizes, ranks, block, dtype)
+    layout Q   digest of what the body holds (tensor sizes, ranks, block, dtype; topk chunk, density)
     length Q   body bytes
     crc32  I   zlib.crc32 of the header bytes above and the body
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-CODECS = ("none", "quantize", "lowrank", "lowrank-quantize")
+CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")  # order: the wire numbers
 STAGES = ("dense", "P", "Q")
 MAGIC, VERSION = b"DLCX", 1
 _FIELDS = struct.Struct("<4sBBBBQIQQ")
