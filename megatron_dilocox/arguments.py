@@ -169,18 +169,25 @@ def _dilocox_args(parser):
     comp = CompressionConfig()
     g.add_argument("--dilocox-compression", choices=CODECS, default=comp.codec,
                    help="How the pseudo-gradient is compressed: low-rank (PowerSGD) factors of 2-D shards "
-                        "and/or blockwise absmax quantization.")
-    g.add_argument("--dilocox-quant-bits", type=int, choices=(8, 4), default=comp.bits, help="Bits per quantized value.")
+                        "and/or blockwise absmax quantization; topk: each chunk's largest entries, low-bit "
+                        "(SparseLoCo-style).")
+    g.add_argument("--dilocox-quant-bits", type=int, choices=(8, 4, 3, 2), default=None,
+                   help="Bits per quantized value: 8 or 4 (default 8); topk: 2, 3 or 4 (default 4).")
     g.add_argument("--dilocox-quant-block", type=int, default=comp.block, help="Values per quantization scale.")
     g.add_argument("--dilocox-rank", type=int, default=comp.rank, help="Low-rank rank (upper bound when adaptive).")
     g.add_argument("--dilocox-min-rank", type=int, default=comp.min_rank, help="Lower bound of the adaptive rank.")
     g.add_argument("--dilocox-rank-energy", type=float, default=comp.rank_energy,
                    help="Adaptive rank keeps this fraction of the previous round's spectrum energy.")
     g.add_argument("--dilocox-adaptive", action="store_true", help="Choose each matrix's rank every round.")
-    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=comp.error_feedback,
-                   help="Carry what compression dropped into the next round.")
+    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="Carry what compression dropped into the next round (default: on for topk, off "
+                        "for the others).")
     g.add_argument("--dilocox-ef-decay", type=float, default=comp.ef_decay,
-                   help="Factor applied to the error-feedback residual each round.")
+                   help="Factor applied to the error-feedback residual each round (SparseLoCo: 0.95).")
+    g.add_argument("--dilocox-topk-density", type=float, default=comp.topk_density,
+                   help="topk: fraction of each chunk's entries sent (default 1/64).")
+    g.add_argument("--dilocox-topk-chunk", type=int, default=comp.topk_chunk,
+                   help="topk: elements per chunk; each keeps its own largest entries and fp32 scale.")
     g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
                    help="Add this many seconds to every cross-cluster reduction: see the overlap "
                         "hide a slow link without one (benchmarks and tests).")
@@ -214,6 +221,8 @@ def compression_config(args) -> CompressionConfig:
         adaptive=args.dilocox_adaptive,
         error_feedback=args.dilocox_error_feedback,
         ef_decay=args.dilocox_ef_decay,
+        topk_density=args.dilocox_topk_density,
+        topk_chunk=args.dilocox_topk_chunk,
     )
 
 
