@@ -106,3 +106,37 @@ def test_dataset_from_another_tokenizer(tiny_dataset, tmp_path):
 def test_world_must_split_into_clusters():
     proc = run_pretrain(BASE + MOCK + ["--dilocox", "--dilocox-clusters", "2"], world_env=True)
     assert_one_line_error(proc, "--dilocox-clusters 2")
+
+
+def test_dataset_records_its_tokenizer_and_refuses_a_larger_one(tiny_dataset, tmp_path):
+    """preprocess_data.py writes the tokenizer's identity next to the .bin/.idx; a tokenizer with a
+    larger vocabulary (every token id of the data still fits) is refused naming both."""
+    import hashlib
+    import json
+
+    record = json.loads((tiny_dataset / "c_text_document.tokenizer.json").read_text())
+    assert record == {"tokenizer_type": "SentencePieceTokenizer", "model": str(tiny_dataset / "sp.model"),
+                      "model_sha256": hashlib.sha256((tiny_dataset / "sp.model").read_bytes()).hexdigest(),
+                      "vocab_size": 400}
+    subprocess.run([sys.executable, "tools/train_tokenizer.py", "--input", str(tiny_dataset / "corpus.jsonl"),
+                    "--json-keys", "text", "--vocab-size", "450", "--model-prefix", str(tmp_path / "big")],
+                   cwd=REPO, check=True, capture_output=True)
+    proc = run_pretrain(BASE + ["--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model",
+                                str(tmp_path / "big.model"), "--data-cache-path", str(tmp_path)], world_env=True)
+    assert_one_line_error(proc, "c_text_document.bin was made with another --tokenizer-model",
+                          f"{tiny_dataset / 'sp.model'} (sha256 {record['model_sha256'][:12]}..., 400 tokens)",
+                          f"this run has {tmp_path / 'big.model'} (sha256", "450 tokens)")
+
+
+def test_dataset_without_a_tokenizer_record_is_still_checked(tiny_dataset, tmp_path):
+    """Datasets made before the record existed load (the caller warns), and still fail the token-id check."""
+    from megatron_dilocox.data.tokenizer import NullTokenizer, build_tokenizer
+    from megatron_dilocox.training.data import _check_files
+
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"old{ext}").write_bytes((tiny_dataset / f"c_text_document{ext}").read_bytes())
+    tokenizer = build_tokenizer("SentencePieceTokenizer", str(tiny_dataset / "sp.model"))
+    prefixes = [str(tiny_dataset / "c_text_document"), str(tmp_path / "old")]
+    assert _check_files(prefixes, tokenizer) == [str(tmp_path / "old")]
+    with pytest.raises(ValueError, match="old.bin holds token id .* but the tokenizer has 51 tokens"):
+        _check_files([str(tmp_path / "old")], NullTokenizer(50))

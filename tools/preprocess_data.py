@@ -8,9 +8,10 @@ Example::
 
 For each ``--json-keys`` key writes ``{output_prefix}_{key}_document.bin/.idx``,
 one document (one sequence) per JSON line; lines whose text tokenizes to nothing
-are skipped. Outputs are built under temporary names and renamed into place at
-the end (the .idx last), so an interrupted run never leaves a partial file under
-the final names.
+are skipped, and ``{output_prefix}_{key}_document.tokenizer.json``: the tokenizer's
+type, model file, its sha256 and vocabulary size, which training checks. Outputs
+are built under temporary names and renamed into place at the end (the .idx
+last), so an interrupted run never leaves a partial file under the final names.
 """
 
 import argparse
@@ -27,7 +28,8 @@ sys.path.insert(0, REPO_ROOT)
 
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
-from megatron_dilocox.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_dilocox.checkpoint.files import write_atomic  # noqa: E402
+from megatron_dilocox.data.tokenizer import IDENTITY_SUFFIX, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 _worker_tokenizer = None
 _worker_args = None
@@ -89,14 +91,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _replace_outputs(tmp_prefix: str, final_prefix: str) -> None:
-    """Moves ``tmp_prefix``.bin/.idx to ``final_prefix``; the old .idx goes first, the new last.
+def _replace_outputs(tmp_prefix: str, final_prefix: str, identity: dict) -> None:
+    """Moves ``tmp_prefix``.bin/.idx to ``final_prefix`` and writes the tokenizer record there;
+    the old .idx and record go first, the new .idx last.
 
     Removing the old index first means a crash in between leaves no valid-looking pair.
     """
-    if os.path.exists(final_prefix + ".idx"):
-        os.remove(final_prefix + ".idx")
+    for ext in (".idx", IDENTITY_SUFFIX):
+        if os.path.exists(final_prefix + ext):
+            os.remove(final_prefix + ext)
     os.replace(tmp_prefix + ".bin", final_prefix + ".bin")
+    write_atomic(final_prefix + IDENTITY_SUFFIX, json.dumps(identity, indent=1).encode())
     os.replace(tmp_prefix + ".idx", final_prefix + ".idx")
 
 
@@ -166,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for key, builder in builders.items():
             builder.finalize(tmps[key] + ".idx")
         for key in finals:
-            _replace_outputs(tmps[key], finals[key])
+            _replace_outputs(tmps[key], finals[key], tokenizer.identity)
     finally:
         for key, builder in builders.items():
             builder.data_file.close()

@@ -4,18 +4,20 @@ megatron-core's datasets read ``vocab_size`` (token dtype), ``eod`` (document
 boundaries for position-id/attention-mask resets), ``pad`` and ``eos`` (loss
 masking; pad must differ from eod/eos) and ``unique_identifiers`` (part of the
 hash naming the cached sample indices). The tools additionally use ``tokenize``
-and ``detokenize``.
+and ``detokenize``, and ``identity``, which ``tools/preprocess_data.py`` records next to a
+dataset (``PREFIX`` + :data:`IDENTITY_SUFFIX`) so that training refuses another tokenizer.
 """
 
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import sentencepiece as spm
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+IDENTITY_SUFFIX = ".tokenizer.json"
 
 
 class SentencePieceTokenizer(MegatronTokenizerBase):
@@ -38,7 +40,8 @@ class SentencePieceTokenizer(MegatronTokenizerBase):
         if self._sp.eos_id() < 0:
             raise ValueError(f"sentencepiece model has no eos (end-of-document) id: {model_path}")
         super().__init__(model_path, {})
-        self._digest = hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
+        with open(model_path, "rb") as f:
+            self._digest = hashlib.sha256(f.read()).hexdigest()
 
     @property
     def unique_identifiers(self) -> "OrderedDict[str, str]":
@@ -50,6 +53,12 @@ class SentencePieceTokenizer(MegatronTokenizerBase):
                 ("model_sha256", self._digest),
             ]
         )
+
+    @property
+    def identity(self) -> Dict[str, Union[str, int, None]]:
+        """Type, model file (absolute path) and its sha256, vocabulary size."""
+        return {"tokenizer_type": type(self).__name__, "model": os.path.abspath(self.path),
+                "model_sha256": self._digest, "vocab_size": self.vocab_size}
 
     @property
     def vocab_size(self) -> int:
@@ -119,6 +128,12 @@ class NullTokenizer(MegatronTokenizerBase):
     def unique_identifiers(self) -> "OrderedDict[str, str]":
         """Identity of this tokenizer for megatron-core's dataset cache hashes."""
         return OrderedDict([("class", type(self).__name__), ("vocab_size", str(self.vocab_size))])
+
+    @property
+    def identity(self) -> Dict[str, Union[str, int, None]]:
+        """Type and vocabulary size (there is no model file)."""
+        return {"tokenizer_type": type(self).__name__, "model": None, "model_sha256": None,
+                "vocab_size": self.vocab_size}
 
     @property
     def vocab_size(self) -> int:

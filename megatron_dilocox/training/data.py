@@ -8,15 +8,19 @@ this numbering (cluster-major), so every cluster reads a disjoint part of each g
 and a DiLoCoX run consumes exactly the tokens of an AllReduce run with the same flags.
 """
 
+import json
 import os
+import sys
 
 import numpy
 import torch
+import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import _IndexReader
 
 from megatron_dilocox.arguments import ConfigError
+from megatron_dilocox.data.tokenizer import IDENTITY_SUFFIX
 
 
 def _blend(data_path):
@@ -25,9 +29,34 @@ def _blend(data_path):
     return list(data_path[1::2]), [float(w) for w in data_path[0::2]]
 
 
-def _check_files(prefixes, vocab_size: int):
-    """Each prefix has a readable .idx, a .bin of exactly the size the .idx describes, and token
-    ids the tokenizer knows (checked on the first million tokens)."""
+def _described(identity: dict) -> str:
+    sha = identity.get("model_sha256")
+    return (f"{identity.get('model') or identity.get('tokenizer_type')} "
+            f"({'sha256 ' + sha[:12] + '..., ' if sha else ''}{identity.get('vocab_size')} tokens)")
+
+
+def _check_tokenizer(prefix: str, tokenizer) -> bool:
+    """Refuses a tokenizer other than the one recorded with the dataset; False if none is recorded."""
+    path = prefix + IDENTITY_SUFFIX
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--data-path: unreadable tokenizer record {path} ({err})") from None
+    mine = tokenizer.identity
+    if any(recorded.get(key) != mine[key] for key in ("tokenizer_type", "model_sha256", "vocab_size")):
+        raise ConfigError(f"--data-path: {prefix}.bin was made with another --tokenizer-model: {_described(recorded)} "
+                          f"(recorded in {path}), this run has {_described(mine)}")
+    return True
+
+
+def _check_files(prefixes, tokenizer) -> list[str]:
+    """Each prefix has a readable .idx, a .bin of exactly the size the .idx describes, was made
+    with this tokenizer (where its record says) and holds token ids the tokenizer knows (checked
+    on the first million tokens). Returns the prefixes without a tokenizer record."""
+    vocab_size, unrecorded = tokenizer.vocab_size, []
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             path = prefix + ext
@@ -44,10 +73,30 @@ def _check_files(prefixes, vocab_size: int):
         if actual != expected:
             raise ConfigError(f"--data-path: {prefix}.bin has {actual} bytes, its .idx expects {expected} "
                               "(truncated or mismatched files)")
+        if not _check_tokenizer(prefix, tokenizer):
+            unrecorded.append(prefix)
         head = numpy.memmap(prefix + ".bin", dtype=index.dtype, mode="r")[:1_000_000]
         if head.size and int(head.max()) >= vocab_size:
             raise ConfigError(f"--data-path: {prefix}.bin holds token id {int(head.max())} but the tokenizer has "
                               f"{vocab_size} tokens: was it made with another --tokenizer-model?")
+    return unrecorded
+
+
+def _check_splits(prefixes, split_matrix, args):
+    """Every split that samples are drawn from gets at least one sample's tokens of every dataset:
+    megatron never finishes indexing an empty split, and a smaller one repeats within a sample."""
+    need = args.seq_length + 1
+    for prefix in prefixes:
+        lengths = _IndexReader(prefix + ".idx", multimodal=False).sequence_lengths
+        for name, bounds in zip(("train", "validation", "test"), split_matrix):
+            if bounds is None:
+                continue
+            begin, end = (int(round(b * len(lengths))) for b in bounds)  # megatron's own rounding
+            tokens = int(lengths[begin:end].sum())
+            if tokens < need:
+                raise ConfigError(f"--split {args.split}: the {name} split of {prefix} gets {end - begin} of its "
+                                  f"{len(lengths)} documents ({tokens} tokens), fewer than one sample "
+                                  f"(--seq-length + 1 = {need} tokens): give it a larger share")
 
 
 def build_datasets(args, tokenizer):
@@ -55,7 +104,11 @@ def build_datasets(args, tokenizer):
     blend = None
     if not args.mock_data:
         blend = _blend(args.data_path)
-        _check_files(blend[0], tokenizer.vocab_size)
+        unrecorded = _check_files(blend[0], tokenizer)
+        if unrecorded and dist.get_rank() == 0:
+            print(f"WARNING: --data-path: no {IDENTITY_SUFFIX} tokenizer record for {', '.join(unrecorded)} "
+                  "(made by an older tools/preprocess_data.py?): the tokenizer is only checked against the "
+                  "token ids", file=sys.stderr, flush=True)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     # None: one epoch of the validation split, for --full-validation.
     valid_size = None if args.full_validation else evals * args.global_batch_size
@@ -74,13 +127,18 @@ def build_datasets(args, tokenizer):
         mid_level_dataset_surplus=0.005,
         full_validation=args.full_validation,
     )
+    # Leave out the splits no sample is drawn from (the test split; validation without --eval-iters):
+    # megatron would index them anyway, forever if one is empty.
+    config.split_matrix = [None if size == 0 else bounds for bounds, size in zip(config.split_matrix, sizes)]
+    if blend is not None:
+        _check_splits(blend[0], config.split_matrix, args)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except (AssertionError, ValueError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"--data-path {' '.join(args.data_path or [])}: unreadable dataset: {first_line}") from err
-    if train is None or valid is None:
+    if train is None or (valid is None and valid_size != 0):
         raise ConfigError(f"--split {args.split}: the train and validation splits must both be non-empty")
     if args.full_validation and len(valid) < args.global_batch_size:
         raise ConfigError(f"--full-validation: the validation split has {len(valid)} samples, fewer than one "
