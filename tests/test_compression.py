@@ -1,5 +1,5 @@
-"""Compression codecs in one process: quantization, int4 packing, PowerSGD pieces, wire format,
-error feedback, adaptive rank, checkpointing. The gloo (C = 2) scenarios are in
+"""Compression codecs in one process: quantization, int4 packing, PowerSGD pieces, top-k, wire
+format, error feedback, adaptive rank, checkpointing, flags. The gloo (C = 2) scenarios are in
 test_compression_dist.py. No test runs on zeros only.
 """
 import math
@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_dilocox.outer.compression import CompressedReducer, lowrank, wire
+from megatron_dilocox.arguments import ConfigError, compression_config, parse_args
+from megatron_dilocox.outer.compression import CompressedReducer, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
 
@@ -243,6 +244,108 @@ def test_adaptive_reducer_finds_the_rank_of_a_low_rank_pseudo_gradient():
     assert red.last_stats["ranks"] == [2, 1] and red.last_stats["mean_rank"] == 1.5
 
 
+# -- top-k -------------------------------------------------------------------------------------
+
+
+def topk_bytes(numel, chunk, density, bits):
+    """Body bytes of the top-k format, chunk by chunk (the full chunks, then the short one)."""
+    total = 0
+    for length, count in ((chunk, numel // chunk), (numel % chunk, 1 if numel % chunk else 0)):
+        if not count:
+            continue
+        k = max(1, round(density * length))
+        index_bits = math.ceil(math.log2(length))  # exact for powers of two (log2(1) = 0)
+        positions = min(k * index_bits, length)  # indices, or a bitmap of the chunk
+        total += math.ceil(count * positions / 8) + math.ceil(count * k * bits / 8) + 4 * count
+    return total
+
+
+def expected_kept(x, chunk, density):
+    """Per chunk, the k largest magnitudes, ties to the lower index (a stable sort)."""
+    keep = torch.zeros(x.numel(), dtype=torch.bool)
+    for start in range(0, x.numel(), chunk):
+        part = x[start: start + chunk].abs().tolist()
+        k = max(1, round(density * len(part)))
+        order = sorted(range(len(part)), key=lambda i: (-part[i], i))
+        keep[[start + i for i in order[:k]]] = True
+    return keep
+
+
+@st.composite
+def sparse_inputs(draw):
+    """(x, chunk, density, bits): random lengths and settings; values with many ties (a few
+    distinct magnitudes) or without, and often one chunk of zeros; never all zeros."""
+    n = draw(st.integers(1, 3000))
+    chunk = draw(st.sampled_from([2, 3, 16, 100, 256, 1000, 4096]))
+    density = draw(st.sampled_from([1 / 64, 0.01, 0.05, 0.1, 0.3, 0.5, 1.0]) | st.floats(1e-4, 1.0))
+    bits = draw(st.sampled_from(topk.BITS))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = draw(MAGNITUDES)
+    if draw(st.booleans()):
+        x = torch.randint(-3, 4, (n,), generator=g).float() * (scale / 4)  # ties everywhere
+    else:
+        x = (torch.randn(n, generator=g) * (scale / 8)).float()
+    if draw(st.booleans()):
+        start = draw(st.integers(0, (n - 1) // chunk)) * chunk
+        x[start: start + chunk] = 0
+    assume(bool((x != 0).any()) and bool(torch.isfinite(x).all()))
+    return x, chunk, density, bits
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=sparse_inputs())
+def test_topk_round_trip_keeps_the_top_k_per_chunk(case):
+    x, chunk, density, bits = case
+    body = topk.encode(x, chunk, density, bits)
+    assert body.dtype == torch.uint8 and body.numel() == topk_bytes(x.numel(), chunk, density, bits)
+    y = topk.decode(body, x.numel(), chunk, density, bits)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    keep = expected_kept(x, chunk, density)
+    assert bool((y[~keep] == 0).all()), "an entry outside the top k decoded to non-zero"
+    absmax = block_absmax(x, chunk).float()  # the chunk's absmax, per element
+    err = (y.double() - x.double()).abs()[keep]
+    bound = absmax.double()[keep] / 2**bits  # half a bin of 2 * absmax / 2**bits
+    assert bool((err <= bound * (1 + 2**-20) + TINY).all()), float((err - bound).max())
+    assert bool((y.abs() <= absmax).all()), "decoding never exceeds the chunk's absmax"
+    # Error feedback keeps exactly what was not sent: every dropped entry whole. (The reducer
+    # treats a round whose fp32 norm overflows, entries above ~1e19, as non-finite.)
+    assume(math.isfinite(float(torch.linalg.vector_norm(x))))
+    red = CompressedReducer([(x.numel(),)], "topk", bits=bits, chunk=chunk, density=density)
+    (out,) = red([x], None)
+    assert torch.equal(out, y) and red.error_feedback
+    assert torch.equal(red.residual, x - y) and torch.equal(red.residual[~keep], x[~keep])
+    assert red.last_stats["payload_bytes"] == wire.HEADER_BYTES + body.numel()
+
+
+def test_topk_ties_go_to_the_lower_index_and_zero_chunks_decode_to_zero():
+    x = torch.tensor([1.0, -2.0, 2.0, -2.0, 2.0, 0.5] + [0.0] * 6)
+    y = topk.decode(topk.encode(x, 6, 0.5, 4), 12, 6, 0.5, 4)
+    # |-2| ties four times for 3 places: indices 1, 2, 3; the second chunk is all zeros
+    assert y.nonzero().view(-1).tolist() == [1, 2, 3]
+    assert y[1:4].tolist() == [-2 * 15 / 16, 2 * 15 / 16, -2 * 15 / 16]
+    # 2 bits: the four levels are -3/4, -1/4, 1/4 and 3/4 of the absmax
+    x = torch.tensor([4.0, -3.0, 1.5, -0.5])
+    assert topk.decode(topk.encode(x, 4, 1.0, 2), 4, 4, 1.0, 2).tolist() == [3.0, -3.0, 1.0, -1.0]
+
+
+def test_topk_bitmap_where_indices_cost_more():
+    # chunk 16: 4-bit indices; k = 8 indices (32 bits) cost more than the 16-bit bitmap
+    assert topk.position_bits(16, 0.5) == 16 and topk.position_bits(16, 0.25) == 16
+    assert topk.position_bits(16, 1 / 8) == 8 and topk.position_bits(4096, 1 / 64) == 64 * 12
+    x = rand(40, seed=30)
+    for density in (0.5, 0.1):
+        y = topk.decode(topk.encode(x, 16, density, 3), 40, 16, density, 3)
+        assert torch.equal(y != 0, expected_kept(x, 16, density))
+
+
+def test_topk_non_finite_chunks_stay_non_finite():
+    x = rand(30, seed=31)
+    x[2], x[17] = float("nan"), float("inf")
+    y = topk.decode(topk.encode(x, 10, 0.2, 2), 30, 10, 0.2, 2)
+    assert not bool(torch.isfinite(y[:10]).all()) and not bool(torch.isfinite(y[10:20]).all())
+    assert bool(torch.isfinite(y[20:]).all())
+
+
 # -- wire format -------------------------------------------------------------------------------
 
 HEADER = wire.Header("lowrank-quantize", 4, "Q", 7, 1, wire.layout_digest("Q", [6], 4, 256), 10)
@@ -287,6 +390,8 @@ NUMEL = sum(math.prod(s) for s in SHAPES)
 
 def header_bytes_formula(red):
     """Bytes a round of ``red`` sends, from the documented formula."""
+    if red.codec == "topk":
+        return wire.HEADER_BYTES + topk_bytes(red.numel, red.chunk, red.density, red.bits)
     def s(n):
         return 4 * n if red.payload_bits == 32 else qz.nbytes(n, red.payload_bits, red.block)
     dense = sum(s(n) for _, n in red.dense)
@@ -298,7 +403,7 @@ def header_bytes_formula(red):
 
 
 @pytest.mark.parametrize("codec,bits", [("quantize", 8), ("quantize", 4), ("lowrank", 8),
-                                        ("lowrank-quantize", 8), ("lowrank-quantize", 4)])
+                                        ("lowrank-quantize", 8), ("lowrank-quantize", 4), ("topk", 2)])
 def test_single_cluster_round_stats_and_bytes(codec, bits):
     red = CompressedReducer(SHAPES, codec, bits=bits, rank=4, block=64)
     x = rand(NUMEL, seed=9)
@@ -321,9 +426,9 @@ def test_none_codec_is_allreduce_mean():
     assert out is x and red.last_stats["ratio"] == 1.0
 
 
-@pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize"])
+@pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize", "topk"])
 def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
-    red = CompressedReducer(SHAPES, codec, rank=4, error_feedback=True)
+    red = CompressedReducer(SHAPES, codec, rank=4, error_feedback=True, chunk=256)
     x = rand(NUMEL, seed=11)
     bad = x.clone()
     bad[5] = float("nan")
@@ -336,9 +441,15 @@ def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
 
 def test_rejects_bad_setup():
     with pytest.raises(ValueError, match="unknown compression codec"):
-        CompressedReducer(SHAPES, "topk")
+        CompressedReducer(SHAPES, "randk")
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         CompressedReducer(SHAPES, "quantize", bits=2)
+    with pytest.raises(ValueError, match="top-k bits must be 2, 3 or 4"):
+        CompressedReducer(SHAPES, "topk", bits=8)
+    with pytest.raises(ValueError, match="density"):
+        CompressedReducer(SHAPES, "topk", density=0.0)
+    with pytest.raises(ValueError, match="chunk"):
+        CompressedReducer(SHAPES, "topk", chunk=1)
     with pytest.raises(ValueError, match="min_rank"):
         CompressedReducer(SHAPES, "lowrank", rank=2, min_rank=3)
     with pytest.raises(ValueError, match="ef_decay"):
@@ -403,10 +514,11 @@ def test_ef_decay_damps_the_residual():
 # -- checkpointing -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", ["lowrank-quantize", "quantize"])
+@pytest.mark.parametrize("codec", ["lowrank-quantize", "quantize", "topk"])
 def test_state_dict_resume_matches_uninterrupted(codec):
-    def make():
-        return CompressedReducer(SHAPES, codec, bits=4, rank=4, error_feedback=True, adaptive=True, seed=3)
+    def make(**changed):
+        return CompressedReducer(SHAPES, codec, **{**dict(bits=4, rank=4, error_feedback=True, adaptive=True,
+                                                          seed=3, chunk=512), **changed})
 
     inputs = [rand(NUMEL, seed=20 + t) for t in range(5)]
     full = make()
@@ -418,10 +530,13 @@ def test_state_dict_resume_matches_uninterrupted(codec):
     resumed = make()
     resumed.load_state_dict(state)
     assert resumed.round == 3
+    assert torch.equal(resumed.residual, part.residual) and resumed.residual is not part.residual
     for x, want in zip(inputs[3:], outs[3:]):
         assert torch.equal(resumed([x], None)[0], want)
-    with pytest.raises(ValueError, match="different settings"):
-        CompressedReducer(SHAPES, codec, bits=8, rank=4).load_state_dict(state)
+    assert torch.equal(resumed.residual, full.residual)
+    for changed in [dict(bits=2 if codec == "topk" else 8)] + [dict(density=0.1)] * (codec == "topk"):
+        with pytest.raises(ValueError, match="different settings"):
+            make(**changed).load_state_dict(state)
 
 
 def test_numpy_interop_of_int4_layout():
@@ -430,3 +545,26 @@ def test_numpy_interop_of_int4_layout():
     codes = np.frombuffer(q.codes.numpy().tobytes(), dtype=np.uint8)
     lo, hi = (codes & 0xF).astype(np.int8) - 8, (codes >> 4).astype(np.int8) - 8
     assert np.array_equal(np.stack([lo, hi], 1).reshape(-1), qz.unpack_int4(q.codes).numpy())
+
+
+# -- flags -------------------------------------------------------------------------------------
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--dilocox"]
+
+
+def test_topk_flags_defaults_and_one_line_errors():
+    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk"]))
+    assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (4, True, 1 / 64, 4096)
+    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk", "--no-dilocox-error-feedback",
+                                                  "--dilocox-quant-bits", "2"]))
+    assert (comp.bits, comp.error_feedback) == (2, False)
+    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "quantize"]))
+    assert (comp.bits, comp.error_feedback) == (8, False)
+    for extra, needle in [(["--dilocox-compression", "topk", "--dilocox-quant-bits", "8"], "--dilocox-quant-bits"),
+                          (["--dilocox-quant-bits", "2"], "--dilocox-quant-bits must be 8, 4 with"),
+                          (["--dilocox-compression", "topk", "--dilocox-topk-density", "0"], "--dilocox-topk-density"),
+                          (["--dilocox-compression", "topk", "--dilocox-topk-chunk", "1"], "--dilocox-topk-chunk")]:
+        with pytest.raises(ConfigError, match=needle):
+            parse_args(FLAGS + extra)

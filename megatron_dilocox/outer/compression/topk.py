@@ -112,7 +112,7 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
     """Positions, codes and scales of the chunks ``rows`` (one chunk a row)."""
     length = rows.shape[1]
     k = kept(length, density)
-    mag = rows.abs().nan_to_num_(nan=math.inf)
+    mag = rows.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
     kth = mag.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)
     above, tied = mag > kth, mag == kth
     keep = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
