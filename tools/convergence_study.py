@@ -36,12 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "wan"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "wan"))  # for wan/launch.py's own imports
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import launch  # noqa: E402
 from compare_runs import read_records  # noqa: E402
+from wan import launch  # noqa: E402  (tools/wan/launch.py: runs commands, stops them all on error or Ctrl-C)
 
 REPO = Path(__file__).resolve().parent.parent
 OWNED = ("--seed", "--metrics-file", "--full-validation", "--eval-iters", "--save", "--load")

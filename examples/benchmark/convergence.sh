@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Convergence study: DiLoCoX settings against AllReduce at equal tokens, several seeds, one fixed
+# validation set (tools/convergence_study.py; tables and reading in docs/convergence.md).
+#   bash examples/benchmark/convergence.sh                 # STUDY=defaults: the acceptance comparison
+#   STUDY=pilot SEEDS=1 ITERS=700 bash examples/benchmark/convergence.sh
+# A study resumes where it stopped when run again with the same OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source tools/setup_env.sh
+
+STUDY=${STUDY:-defaults}
+DATA=${DATA:-data/stdlib_big}
+OUT=${OUT:-runs/convergence/$STUDY}
+SEEDS=${SEEDS:-1,2,3}
+ITERS=${ITERS:-1400}           # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
+LAYERS=${LAYERS:-3}
+HIDDEN=${HIDDEN:-128}
+CLUSTERS=${CLUSTERS:-2}
+
+if [ ! -f "$DATA/corpus_text_document.idx" ]; then
+  echo "> building the large corpus, tokenizer and dataset in $DATA"
+  mkdir -p "$DATA"
+  python tools/make_corpus.py --source stdlib+site-packages --output "$DATA/corpus.jsonl"
+  python tools/train_tokenizer.py --input "$DATA/corpus.jsonl" --json-keys text --vocab-size 4096 \
+    --model-prefix "$DATA/sp"
+  python tools/preprocess_data.py --input "$DATA/corpus.jsonl" --output-prefix "$DATA/corpus" \
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/sp.model" --append-eod --workers 2
+fi
+
+SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 --seq-length 128
+         --max-position-embeddings 128 --hidden-dropout 0 --attention-dropout 0
+         --micro-batch-size 16 --global-batch-size 32 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4
+         --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0
+         --adam-beta1 0.9 --adam-beta2 0.99
+         --data-path "$DATA/corpus_text_document" --tokenizer-type SentencePieceTokenizer
+         --tokenizer-model "$DATA/sp.model" --split 995,5,0 --data-cache-path "$DATA/cache"
+         --dilocox-clusters "$CLUSTERS" --log-interval 50 --eval-interval 350)
+
+# Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10.
+DLX="--dilocox --dilocox-local-steps 10"
+SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
+AR=(--method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4" --method "AllReduce lr 2e-3="
+    --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
+    --baseline "AllReduce lr 1e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3")
+SYNC_FP32="sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
+case "$STUDY" in
+  pilot)
+    METHODS=("${AR[@]}"
+      --method "$SYNC_FP32"
+      --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
+      --method "eager fp32=$DLX --dilocox-sync-mode eager --dilocox-compression none"
+      --method "delay fp32=$DLX --dilocox-sync-mode delay --dilocox-compression none"
+      --compare "sync fp32") ;;
+  defaults)
+    METHODS=("${AR[@]}" --method "DiLoCoX defaults=--dilocox" --method "$SYNC_FP32" --compare "sync fp32") ;;
+  *) echo "STUDY must be pilot or defaults, got $STUDY" >&2; exit 2 ;;
+esac
+
+python tools/convergence_study.py --out "$OUT" --seeds "$SEEDS" --nproc "$CLUSTERS" "${METHODS[@]}" \
+  -- "${SETTING[@]}"

@@ -1,0 +1,139 @@
+"""tools/convergence_study.py: flag checks, run order and resume, the summary's figures, and one
+tiny study end to end (two real runs, then a resume that runs nothing)."""
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from launch import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+
+import convergence_study as cs  # noqa: E402
+
+PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+            "--train-iters", "12", "--lr", "3e-3", "--split", "80,20,0", "--dilocox-clusters", "2",
+            "--log-interval", "4", "--eval-interval", "6"]
+
+
+def _data(ds, tmp_path) -> list[str]:
+    return ["--data-path", str(ds / "c_text_document"), "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", str(ds / "sp.model"), "--data-cache-path", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "o", "--method", "A=", "--baseline", "A"], "flags after --"),
+    (["--out", "o", "--baseline", "A", "--", *PRETRAIN], "at least one --method"),
+    (["--out", "o", "--method", "A", "--baseline", "A", "--", *PRETRAIN], "NAME=FLAGS"),
+    (["--out", "o", "--method", "A=", "--method", "A=--lr 1", "--baseline", "A", "--", *PRETRAIN], "given twice"),
+    (["--out", "o", "--method", "A=", "--", *PRETRAIN], "at least one --baseline"),
+    (["--out", "o", "--method", "A=", "--baseline", "B", "--", *PRETRAIN], "'B' is not a --method"),
+    (["--out", "o", "--method", "A=--seed 3", "--baseline", "A", "--", *PRETRAIN], "--seed is set by the study"),
+    (["--out", "o", "--method", "A=", "--baseline", "A", "--seeds", "1,1", "--", *PRETRAIN], "distinct integers"),
+    (["--out", "o", "--method", "A=", "--baseline", "A", "--", *PRETRAIN[:14], *PRETRAIN[16:]],
+     "must contain --train-iters"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cs.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
+
+
+def _study(tmp_path, methods, baselines, seeds=(1, 2, 3), compare=None):
+    argv = ["--out", str(tmp_path / "s"), "--seeds", ",".join(map(str, seeds))]
+    for name, flags in methods.items():
+        argv += ["--method", f"{name}={flags}"]
+    for name in baselines:
+        argv += ["--baseline", name]
+    if compare:
+        argv += ["--compare", compare]
+    parser = cs.build_parser()
+    args = parser.parse_args([*argv, "--", *PRETRAIN])
+    cfg = cs.check_args(parser, args)
+    cfg["facts"] = {"train_tokens": 6144, "train_iters": 12}
+    return cs.Study(args, cfg)
+
+
+def _finish(study, method, seed, loss, nbytes=1000):
+    """Writes the done.json a finished run leaves (a summary with made-up figures)."""
+    folder = study.folder(method, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = dict(method=method, seed=seed, flags=study.flags(method, seed), nproc=study.args.nproc,
+                   val_loss=loss, val_loss_se=0.01, cross_cluster_bytes=nbytes, bytes_per_round=None,
+                   dense_bytes_per_round=None, rounds=0, train_s=1.0, curve=[])
+    (folder / "done.json").write_text(json.dumps(summary))
+
+
+def test_run_order_best_baseline_and_resume(tmp_path):
+    methods = {"AR lr1": "--lr 1e-3", "AR lr2": "--lr 2e-3", "DLX": "--dilocox"}
+    study = _study(tmp_path, methods, ["AR lr1", "AR lr2"])
+    assert study.total() == 7  # the losing candidate runs one seed
+    assert study.pending() == [("AR lr1", 1), ("AR lr2", 1), ("DLX", 1)]
+    _finish(study, "AR lr1", 1, 5.0)
+    _finish(study, "AR lr2", 1, 4.8)
+    assert study.pending() == [("DLX", 1)]  # every method's first seed before any second one
+    _finish(study, "DLX", 1, 5.1)
+    assert study.pending() == [("AR lr2", 2), ("DLX", 2), ("AR lr2", 3), ("DLX", 3)]
+    # The best candidate is re-decided on the means: a bad second seed hands it to the other one.
+    _finish(study, "AR lr2", 2, 5.6)
+    assert study.best_baseline() == "AR lr1"
+    assert study.pending()[0] == ("AR lr1", 2)
+    # A finished run made with other flags is refused, not silently reused.
+    changed = _study(tmp_path, {**methods, "DLX": "--dilocox --dilocox-local-steps 5"}, ["AR lr1", "AR lr2"])
+    with pytest.raises(SystemExit, match="was run with other flags"):
+        changed.pending()
+
+
+def test_summary_gaps_and_spread(tmp_path):
+    study = _study(tmp_path, {"AR": "", "DLX": "--dilocox", "sync": "--dilocox"}, ["AR"], seeds=(1, 2),
+                   compare="sync")
+    losses = {"AR": [4.00, 4.10], "DLX": [4.40, 4.50], "sync": [4.38, 4.46]}
+    for method, values in losses.items():
+        for seed, loss in zip((1, 2), values):
+            _finish(study, method, seed, loss, nbytes=10_000 if method == "AR" else 100)
+    rows = cs.summarize(study)["methods"]
+    assert rows["AR"]["val_loss"] == pytest.approx(4.05)
+    assert rows["DLX"]["std"] == pytest.approx(statistics.stdev([4.40, 4.50]))
+    assert rows["DLX"]["gap"] == pytest.approx(4.45 / 4.05 - 1)
+    assert rows["DLX"]["gap_exceeds_spread"]  # 0.40 apart, stds 0.07
+    assert rows["DLX"]["gap_compare"] == pytest.approx(4.45 / 4.42 - 1)
+    assert not rows["DLX"]["gap_compare_exceeds_spread"]  # 0.03 apart, within the seed spread
+    assert rows["DLX"]["bytes_vs_baseline"] == pytest.approx(100)
+
+
+def test_refuses_a_study_whose_data_would_repeat(tiny_dataset, tmp_path, capsys):
+    def argv(iters):
+        return ["--out", str(tmp_path / "s"), "--method", "A=", "--baseline", "A", "--dry-run", "--",
+                *PRETRAIN, "--train-iters", str(iters), *_data(tiny_dataset, tmp_path)]
+
+    split_tokens = cs.train_split_tokens(str(tiny_dataset / "c_text_document"), "80,20,0")
+    fits = split_tokens // (8 * 64)  # global batch 8 x sequence 64 tokens per iteration
+    assert cs.main(argv(fits)) == 0
+    assert f"train_split_tokens {split_tokens:,}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cs.main(argv(fits + 1))
+    assert "the data would repeat" in capsys.readouterr().err
+
+
+def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
+    argv = ["--out", str(tmp_path / "s"), "--seeds", "1", "--method", "AllReduce=",
+            "--method", "DiLoCoX=--dilocox --dilocox-local-steps 3", "--baseline", "AllReduce", "--",
+            *PRETRAIN, *_data(tiny_dataset, tmp_path)]
+    assert cs.main(argv) == 0
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert (tmp_path / "s" / "curves.png").stat().st_size > 0
+    ar, dlx = results["methods"]["AllReduce"], results["methods"]["DiLoCoX"]
+    for row in (ar, dlx):
+        run = row["runs"][0]
+        assert [p["tokens"] for p in run["curve"]] == [6 * 8 * 64, 12 * 8 * 64]
+        assert run["val_batches"] >= 2 and 0 < run["val_loss_se"] < 1
+        assert run["curve"][-1]["val_loss"] == run["val_loss"] < run["curve"][0]["val_loss"]
+    assert dlx["rounds"] == 4 and dlx["bytes_per_round"] > 0
+    assert dlx["gap"] == pytest.approx(dlx["val_loss"] / ar["val_loss"] - 1)
+    capsys.readouterr()
+    assert cs.main(argv) == 0  # resumed: both runs are done, nothing is launched
+    assert "> [" not in capsys.readouterr().out
