@@ -65,7 +65,8 @@ ranks) / bandwidth.
   compute (stated assumption; the cross leg is far slower than the backward pass anyway).
 * DiLoCoX: once per round of H steps each rank exchanges its outer shard's payload, from the
   codec formula of ``outer/compression/reducer.py`` (40-byte header per exchange, blocks of 256
-  values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D dense).
+  values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D dense; ``topk``:
+  chunked indices, codes and scales of the flat shard, ``outer/compression/topk.py``).
   ``none`` is an fp32 ring all-reduce (``2 (C - 1) / C * payload`` on the wire); the codecs
   all-gather (``(C - 1) * payload``). With ``delay`` mode the exchange overlaps the next round:
   round time = max(H * step, exchange); ``sync`` mode adds them. Codec compute (measured 1.3-2.1%
@@ -78,6 +79,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_dilocox.config import default_bits, default_error_feedback
+from megatron_dilocox.outer.compression import topk
 from megatron_dilocox.outer.compression.lowrank import saves_bytes
 from megatron_dilocox.outer.compression.quantize import nbytes
 from megatron_dilocox.outer.compression.wire import HEADER_BYTES
@@ -210,11 +213,13 @@ def quantized_bytes(n: int, bits: int, block: int = 256) -> int:
 
 
 def codec_bytes(shapes: list[tuple[int, ...]], codec: str, bits: int = 8, rank: int = 8,
-                block: int = 256) -> int:
+                block: int = 256, chunk: int = 4096, density: float = 1 / 64) -> int:
     """Bytes one rank sends per round for a shard of ``shapes`` (no handshake)."""
     numel = sum(math.prod(s) for s in shapes)
     if codec == "none":
         return 4 * numel
+    if codec == "topk":
+        return HEADER_BYTES + topk.nbytes(numel, chunk, density, bits)
     b = bits if codec in ("quantize", "lowrank-quantize") else 32
     if codec == "quantize":
         return HEADER_BYTES + sum(quantized_bytes(math.prod(s), b, block) for s in shapes)
@@ -252,13 +257,23 @@ class DiLoCoXSettings:
     clusters: int = 2
     local_steps: int = 20
     compression: str = "lowrank-quantize"
-    quant_bits: int = 8
+    quant_bits: int | None = None
+    """None: the codec's default (8; 4 for topk)."""
     rank: int = 8
     block: int = 256
+    topk_density: float = 1 / 64
+    topk_chunk: int = 4096
     sync_mode: str = "delay"
-    error_feedback: bool = False
+    error_feedback: bool | None = None
+    """None: the codec's default (on for topk only)."""
     offload_outer_state: bool = False
     """``--dilocox-offload-outer-state``: outer state in pinned host memory, not on the GPU."""
+
+    def __post_init__(self):
+        if self.quant_bits is None:
+            self.quant_bits = default_bits(self.compression)
+        if self.error_feedback is None:
+            self.error_feedback = default_error_feedback(self.compression)
 
 
 @dataclass
@@ -402,7 +417,8 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
                 out.append(t.shape)
         return out
 
-    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block) for ts in outer_stages]
+    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block, d.topk_chunk, d.topk_density)
+               for ts in outer_stages]
     wire = (lambda x: 2 * (c - 1) / c * x) if d.compression == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)
@@ -511,7 +527,9 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
         f"({s['tokens_per_step']:,.0f} tokens)",
         f"AllReduce baseline: {_fmt_bytes(p.allreduce['bytes_per_rank_per_step'])} per rank per step across "
         f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
-        f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, rank {d.rank}, H {d.local_steps}, {d.sync_mode}): "
+        f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, "
+        f"{f'density {d.topk_density:g}' if d.compression == 'topk' else f'rank {d.rank}'}, "
+        f"H {d.local_steps}, {d.sync_mode}): "
         f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
         f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "
         f"per rank per step",

@@ -58,6 +58,21 @@ def test_codec_bytes_match_measured_quickstart_last_stage():
         assert math.ceil((10 * got + pl.HANDSHAKE_BYTES) / 10) == docs[bits, codec]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_topk_codec_bytes_are_the_reducers(bits):
+    """One topk round of the quickstart's last-stage outer shard sends what the planner says."""
+    import torch
+
+    from megatron_dilocox.outer.compression import CompressedReducer
+
+    shapes = [t.shape for t in pl.outer_tensors(pl.ModelShape(**QS), 1, 2, 1)]
+    red = CompressedReducer(shapes, "topk", bits=bits)
+    red([torch.ones(red.numel)], None)
+    assert pl.codec_bytes(shapes, "topk", bits=bits) == red.last_stats["payload_bytes"]
+    d = pl.DiLoCoXSettings(compression="topk")
+    assert d.quant_bits == 4 and d.error_feedback  # the codec's defaults, as pretrain_gpt.py's
+
+
 def test_tied_copy_stays_out_of_the_outer_loop():
     m = pl.ModelShape(**QS)
     last, outer = pl.stage_tensors(m, 1, 2, 1), pl.outer_tensors(m, 1, 2, 1)

@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_dilocox.arguments import missing_dependency  # noqa: E402
 from megatron_dilocox.config import CODECS, SYNC_MODES  # noqa: E402
-from megatron_dilocox.planner import DiLoCoXSettings, Layout, Machine, ModelShape, plan, report  # noqa: E402
 
 PAPER_RATIO = 357.0
 """DiLoCoX paper (arXiv 2506.21263): 107B over 1 Gbps, 357x faster than vanilla AllReduce."""
@@ -45,50 +45,66 @@ PRESETS = {
 }
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends the value a flag takes when neither it, --preset nor launch flags give one (DEFAULTS)."""
+
+    def _get_help_string(self, action):
+        default = DEFAULTS.get(action.dest)
+        if default is None or action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: {default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_HelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), help="Fill every flag from a preset "
                     "(flags given on the command line still win).")
     g = ap.add_argument_group("model")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--num-query-groups", type=int)
-    g.add_argument("--ffn-hidden-size", type=int, help="Default 4 x hidden size.")
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--make-vocab-size-divisible-by", type=int)
-    g.add_argument("--swiglu", action="store_true", default=None)
-    g.add_argument("--disable-bias-linear", action="store_true", default=None)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    g.add_argument("--num-layers", type=int, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, help="Transformer hidden size.")
+    g.add_argument("--num-attention-heads", type=int, help="Attention heads.")
+    g.add_argument("--num-query-groups", type=int, help="Key/value head groups (default: one per head).")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default: 4 x hidden size).")
+    g.add_argument("--seq-length", type=int, help="Tokens per sample.")
+    g.add_argument("--max-position-embeddings", type=int, help="Learned position table size (default: --seq-length).")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], help="Position embeddings.")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="Normalization layer.")
+    g.add_argument("--vocab-size", type=int, help="Tokenizer vocabulary (before padding).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, help="Pad the vocabulary to a multiple of this.")
+    g.add_argument("--swiglu", action="store_true", default=None, help="Gated SiLU MLP (three matrices).")
+    g.add_argument("--disable-bias-linear", action="store_true", default=None, help="No biases in linear layers.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                   help="Separate output layer instead of the input embedding.")
     g = ap.add_argument_group("parallelism and training")
-    g.add_argument("--tensor-model-parallel-size", type=int)
-    g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--global-batch-size", type=int, help="Samples per step over all clusters.")
-    g.add_argument("--use-distributed-optimizer", action="store_true", default=None)
-    g.add_argument("--bf16", action="store_true", default=None)
+    g.add_argument("--tensor-model-parallel-size", type=int, help="Tensor-parallel size.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, help="Pipeline-parallel size.")
+    g.add_argument("--micro-batch-size", type=int, help="Samples per micro-batch per rank.")
+    g.add_argument("--global-batch-size", type=int, help="Samples per step over all clusters "
+                   "(default: one micro-batch per data-parallel rank).")
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=None,
+                   help="Optimizer state sharded over the cluster's data-parallel ranks.")
+    g.add_argument("--bf16", action="store_true", default=None, help="bf16 weights and compute, fp32 main params.")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="'full' keeps layer inputs only (+33%% compute); 'selective' is modelled as none.")
     g = ap.add_argument_group("DiLoCoX")
-    g.add_argument("--dilocox-clusters", type=int)
-    g.add_argument("--dilocox-local-steps", type=int)
-    g.add_argument("--dilocox-compression", choices=CODECS)
-    g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4])
-    g.add_argument("--dilocox-quant-block", type=int)
-    g.add_argument("--dilocox-rank", type=int)
-    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES)
-    g.add_argument("--dilocox-error-feedback", action="store_true", default=None,
-                   help="Counts the error-feedback residual in the outer state.")
+    g.add_argument("--dilocox-clusters", type=int, help="Clusters joined by the slow link.")
+    g.add_argument("--dilocox-local-steps", type=int, help="H: inner steps per outer round.")
+    g.add_argument("--dilocox-compression", choices=CODECS, help="Pseudo-gradient codec.")
+    g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4, 3, 2], help="Default 8 (topk: 4).")
+    g.add_argument("--dilocox-quant-block", type=int, help="Values per quantization scale.")
+    g.add_argument("--dilocox-topk-density", type=float)
+    g.add_argument("--dilocox-topk-chunk", type=int)
+    g.add_argument("--dilocox-rank", type=int, help="Low-rank rank.")
+    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES,
+                   help="sync blocks on the exchange; the other modes overlap it with the next round.")
+    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="Counts the error-feedback residual in the outer state (default: on for topk only).")
     g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None,
                    help="Outer state (fp32 base, momentum, round start, residual) in pinned host memory.")
     g = ap.add_argument_group("machine")
-    g.add_argument("--gpu-memory-gib", type=float)
+    g.add_argument("--gpu-memory-gib", type=float, help="Memory per GPU.")
     g.add_argument("--gpu-tflops", type=float, help="Achievable dense bf16 TFLOP/s per GPU.")
-    g.add_argument("--gpus-per-cluster", type=int)
+    g.add_argument("--gpus-per-cluster", type=int, help="GPUs (ranks) per cluster (default: TP x PP).")
     g.add_argument("--intra-bandwidth-gbps", type=float, help="Per-GPU bandwidth inside a cluster.")
     g.add_argument("--tp-bandwidth-gbps", type=float, help="Per-GPU bandwidth of tensor-parallel all-reduces.")
     g.add_argument("--inter-bandwidth-gbps", type=float, help="Link between clusters.")
@@ -112,10 +128,11 @@ DEFAULTS = dict(
     position_embedding_type="learned_absolute", normalization="LayerNorm", make_vocab_size_divisible_by=128,
     swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
     use_distributed_optimizer=False, bf16=False, dilocox_clusters=2, dilocox_local_steps=20,
-    dilocox_compression="lowrank-quantize", dilocox_quant_bits=8, dilocox_quant_block=256, dilocox_rank=8,
+    dilocox_compression="lowrank-quantize", dilocox_quant_bits=None, dilocox_quant_block=256, dilocox_rank=8,
+    dilocox_topk_density=1 / 64, dilocox_topk_chunk=4096,
     dilocox_sync_mode="delay", dilocox_offload_outer_state=False, gpu_memory_gib=80.0, gpu_tflops=400.0,
     intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0, inter_bandwidth_gbps=1.0, inter_link="shared",
-    dilocox_error_feedback=False, cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
+    dilocox_error_feedback=None, cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
 )
 LAUNCH_KEYS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
@@ -124,7 +141,7 @@ LAUNCH_KEYS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "use_distributed_optimizer", "bf16", "recompute_granularity", "dilocox_clusters", "dilocox_local_steps",
     "dilocox_compression", "dilocox_quant_bits", "dilocox_quant_block", "dilocox_rank", "dilocox_sync_mode",
-    "dilocox_error_feedback", "dilocox_offload_outer_state",
+    "dilocox_error_feedback", "dilocox_offload_outer_state", "dilocox_topk_density", "dilocox_topk_chunk",
 )
 """What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
 
@@ -172,6 +189,8 @@ def resolve(argv=None) -> argparse.Namespace:
 
 
 def configs(args):
+    from megatron_dilocox.planner import DiLoCoXSettings, Layout, Machine, ModelShape
+
     model = ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=args.vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
@@ -188,6 +207,7 @@ def configs(args):
     dl = DiLoCoXSettings(clusters=args.dilocox_clusters, local_steps=args.dilocox_local_steps,
                          compression=args.dilocox_compression, quant_bits=args.dilocox_quant_bits,
                          rank=args.dilocox_rank, block=args.dilocox_quant_block, sync_mode=args.dilocox_sync_mode,
+                         topk_density=args.dilocox_topk_density, topk_chunk=args.dilocox_topk_chunk,
                          error_feedback=args.dilocox_error_feedback,
                          offload_outer_state=args.dilocox_offload_outer_state)
     machine = Machine(gpu_memory_gib=args.gpu_memory_gib, gpu_tflops=args.gpu_tflops,
@@ -201,6 +221,11 @@ def configs(args):
 
 def main(argv=None) -> int:
     args = resolve(argv)
+    try:  # after parsing: --help and flag errors need no torch
+        from megatron_dilocox.planner import plan, report
+    except ModuleNotFoundError as err:
+        print(f"tools/plan.py: error: {missing_dependency(err)}", file=sys.stderr)
+        return 2
     try:
         cfg = configs(args)
         p = plan(*cfg)
