@@ -7,30 +7,79 @@ Without --dilocox this is the vanilla AllReduce baseline: gradients are reduced 
 data-parallel ranks every step. Run ``python pretrain_gpt.py --help`` for every flag.
 """
 
+import json
 import os
+import signal
 import sys
+import time
 
-from megatron_dilocox.arguments import ConfigError, parse_args
+from megatron_dilocox.arguments import ConfigError, missing_dependency, parse_args
+
+PROG = "pretrain_gpt.py"
 
 
-def _error(err: ConfigError) -> int:
-    """One line, from one rank (every rank checks alike and exits alike)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _error(message: str) -> int:
+    """Reports a one-line error; returns the exit status.
+
+    Under torchrun, every rank that meets the error writes it to its error file, and torchrun's
+    failure summary names it: printing from rank 0 alone loses it whenever another rank exits
+    first and torchrun kills rank 0 before it prints. Elsewhere rank 0 prints it.
+    """
+    line = f"{PROG}: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The layout of torch.distributed.elastic's own error files; without a "py_callstack" the
+        # summary shows the message itself.
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    elif _is_rank0():
+        print(line, file=sys.stderr)
     return 2
+
+
+def _interrupted(args) -> int:
+    """One line from rank 0 on Ctrl-C: what was kept."""
+    if _is_rank0():
+        if not args.save:
+            kept = "nothing kept (no --save)"
+        else:
+            from megatron_dilocox.checkpoint import files
+
+            try:
+                kept = f"last checkpoint {files.latest(args.save)} (resume with --load {args.save})"
+            except files.CheckpointError:
+                kept = f"no checkpoint saved in {args.save} yet"
+        print(f"{PROG}: interrupted: {kept}", file=sys.stderr, flush=True)
+    return 128 + signal.SIGINT
+
+
+def _stop_on_first_sigint(signum, frame):
+    # The terminal's Ctrl-C reaches every rank, then torchrun forwards it once more: ignore the
+    # second, which would otherwise interrupt the first one's unwinding mid-traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except ConfigError as err:
-        return _error(err)
-    from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
-
+        return _error(str(err))
+    signal.signal(signal.SIGINT, _stop_on_first_sigint)
     try:
+        from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
+
         run(args)
     except ConfigError as err:
-        return _error(err)
+        return _error(str(err))
+    except ModuleNotFoundError as err:
+        return _error(missing_dependency(err))
+    except KeyboardInterrupt:
+        return _interrupted(args)
     return 0
 
 

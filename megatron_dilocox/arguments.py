@@ -9,12 +9,30 @@ message names the flag.
 import argparse
 import math
 import os
+import sys
 
 from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
 
 
 class ConfigError(ValueError):
     """A user error in flags or input files; its message is one line naming the culprit."""
+
+
+def missing_dependency(err: ModuleNotFoundError) -> str:
+    """The one-line error of a run outside the project's environment."""
+    return (f"Python module {err.name!r} is not installed for {sys.executable}: install the pinned "
+            "dependencies with `source tools/setup_env.sh` (or: pip install -r requirements-cpu.txt "
+            "&& pip install -e .)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each flag's default to its help, unless the help already says it or there is none
+    to show (no default, an on/off switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _model_args(parser):
@@ -232,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPT pretraining on megatron-core. Launch with torchrun; "
                     "without --dilocox this is the vanilla AllReduce baseline.",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     for add in (_model_args, _parallel_args, _training_args, _data_args, _logging_args, _checkpoint_args,
                 _dilocox_args):

@@ -140,3 +140,16 @@ def test_dataset_without_a_tokenizer_record_is_still_checked(tiny_dataset, tmp_p
     assert _check_files(prefixes, tokenizer) == [str(tmp_path / "old")]
     with pytest.raises(ValueError, match="old.bin holds token id .* but the tokenizer has 51 tokens"):
         _check_files([str(tmp_path / "old")], NullTokenizer(50))
+
+
+def test_error_reaches_torchruns_summary_from_every_rank():
+    """Under torchrun each rank that meets an error writes it to its error file: torchrun's summary
+    names it even when the rank that would print it is killed first."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                           f"--master-port={free_port()}", str(REPO / "pretrain_gpt.py"), *BASE, *MOCK,
+                           "--load", "/nonexistent/ckpt"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    root_cause = proc.stderr.split("Root Cause (first observed failure):")[-1]
+    assert "exitcode  : 2" in root_cause, proc.stderr
+    assert "traceback : pretrain_gpt.py: error: --load: no such directory: /nonexistent/ckpt" in root_cause, proc.stderr
