@@ -75,6 +75,8 @@ def run_ranks(group, kwargs, rounds=3):
     dict(codec="quantize", bits=4, error_feedback=True),
     dict(codec="lowrank", rank=8),
     dict(codec="lowrank-quantize", bits=4, rank=16, adaptive=True, energy=0.5, error_feedback=True),
+    dict(codec="topk", bits=2),
+    dict(codec="topk", bits=3, chunk=48, density=0.3),  # bitmap positions
 ])
 def test_cpu_and_cuda_ranks_agree_bit_for_bit(thread_group, kwargs):
     cpu, cuda = run_ranks(thread_group, kwargs)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dilocox.config import DiLoCoXConfig
-from megatron_dilocox.outer.compression import CompressedReducer, wire
+from megatron_dilocox.outer.compression import CompressedReducer, topk, wire
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync
 from test_compression import header_bytes_formula
 from launch import run_forked
@@ -29,6 +29,8 @@ CASES = {
     "lowrank": dict(codec="lowrank", rank=4),
     "lowrank-quantize8-adaptive": dict(codec="lowrank-quantize", bits=8, rank=4, adaptive=True),
     "lowrank-quantize4-ef": dict(codec="lowrank-quantize", bits=4, rank=4, error_feedback=True),
+    "topk2": dict(codec="topk", bits=2, chunk=256, density=0.05),  # error feedback on by default
+    "topk4-bitmap": dict(codec="topk", bits=4, chunk=64, density=0.25, error_feedback=False),
 }
 MATRIX_SPANS = [(0, 48, 40), (1920 + 40 + 60 + 90, 64, 24)]  # (offset, m, n) of the 2-D tensors
 
@@ -90,8 +92,8 @@ def scenario_codecs(rank, group, tap):
     return out
 
 
-def scenario_tamper(rank, group, tap):
-    red = CompressedReducer(SHAPES, "lowrank-quantize", bits=4, rank=4)
+def scenario_tamper(rank, group, tap, codec="lowrank-quantize"):
+    red = CompressedReducer(SHAPES, codec, bits=4, rank=4)
     red([cluster_input(rank, 1)], group)
     tap.corrupt_next_gather = True  # round 2, first exchange (P)
     try:
@@ -139,6 +141,7 @@ def _scenarios(rank, group):
     tap = Wire()
     return {name: fn(rank, group, tap) for name, fn in (
         ("codecs", scenario_codecs), ("tamper", scenario_tamper),
+        ("tamper_topk", lambda *a: scenario_tamper(*a, codec="topk")),
         ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync))}
 
 
@@ -195,15 +198,28 @@ def test_quantized_codecs_approximate_the_mean(ranks, case, tol):
     assert ranks[0]["codecs"][case][0]["stats"]["ratio"] > 2
 
 
+@pytest.mark.parametrize("case", ["topk2", "topk4-bitmap"])
+def test_topk_is_the_mean_of_both_decoded_payloads(ranks, case):
+    """Round 1 (no residual yet): the fp32 sum of both clusters' decoded payloads, in cluster
+    order, halved; the clusters' top entries differ, so the mean has up to twice as many."""
+    kw = CASES[case]
+    out = ranks[0]["codecs"][case][0]["out"]
+    decoded = [topk.decode(topk.encode(cluster_input(k, 1), kw["chunk"], kw["density"], kw["bits"]),
+                           NUMEL, kw["chunk"], kw["density"], kw["bits"]) for k in range(2)]
+    assert torch.equal(out, (decoded[0] + decoded[1]) / 2)
+    assert ranks[0]["codecs"][case][0]["stats"]["ratio"] > 2
+
+
 def test_adaptive_rank_agrees_and_shrinks_to_the_mean_rank(ranks):
     stats = [r["stats"] for r in ranks[0]["codecs"]["lowrank-quantize8-adaptive"]]
     assert stats[0]["ranks"] == [4, 4] and stats[-1]["ranks"] == [2, 2]
 
 
-def test_tampered_payload_raises_on_every_rank(ranks):
+@pytest.mark.parametrize("scenario", ["tamper", "tamper_topk"])
+def test_tampered_payload_raises_on_every_rank(ranks, scenario):
     for rank in ranks:
-        assert rank["tamper"] is not None
-        assert rank["tamper"].startswith("outer round 2: payload from cluster 1 failed its checksum")
+        assert rank[scenario] is not None
+        assert rank[scenario].startswith("outer round 2: payload from cluster 1 failed its checksum")
 
 
 def test_mismatched_settings_fail_the_handshake_on_every_rank(ranks):
