@@ -149,9 +149,15 @@ def _checkpoint_args(parser):
                    help="Save every N iterations (and always at the end of training with --save).")
     g.add_argument("--load", default=None,
                    help="Resume from the latest checkpoint in this directory: exactly with the same layout, "
-                        "from the (resharded) weights with another TP/PP/cluster layout.")
+                        "from the (resharded) weights with another TP/PP/cluster layout. A directory "
+                        "with no checkpoint yet: start from scratch, with a warning.")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Stop after the first iteration divisible by N, saving a checkpoint with --save.")
+    g.add_argument("--most-recent-k", type=int, default=-1,
+                   help="Keep only the K most recent checkpoints (highest iterations) in --save, deleting "
+                        "older ones once a new save is complete; never the one the tracker points at. "
+                        "-1 keeps all. (Megatron-LM's name, from its checkpoint config; its "
+                        "--save-retain-interval keeps every N-th iteration instead.)")
 
 
 def _dilocox_args(parser):
@@ -364,6 +370,8 @@ def _check_checkpointing(args):
         value = getattr(args, flag)
         _require(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     _require(args.save_interval is None or args.save, "--save-interval needs --save DIR")
+    _require(args.most_recent_k == -1 or args.most_recent_k >= 1,
+             f"--most-recent-k must be >= 1 (or -1: keep all), got {args.most_recent_k}")
     if args.load is not None:
         _require(os.path.isdir(args.load), f"--load: no such directory: {args.load}")
 

@@ -1,11 +1,13 @@
 """Checkpoints: exact resume (vanilla, DiLoCoX sync and delay with compression), resharding,
-and bad input (tampered, truncated, missing, incompatible, killed mid-save)."""
+bad input (tampered, truncated, missing, unlisted, edited manifest, incompatible, killed
+mid-save), one run per save directory, first launch with --save X --load X, retention."""
 
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,10 +37,14 @@ RESUMED = {"vanilla": (VANILLA, 4),
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
+    # The launch scripts' first launch: --load on the (existing, empty) directory it saves to.
+    (out / "vanilla_final").mkdir()
+    first_launch = {"vanilla": ["--load", str(out / "vanilla_final")]}
     specs = []
     for name, (flags, stop) in RESUMED.items():
         stopped = ["--save", str(out / f"{name}_stop"), "--exit-interval", str(stop)]
-        specs += [{"name": f"{name}_straight", "flags": MODEL + flags + ["--save", str(out / f"{name}_final")]},
+        straight = ["--save", str(out / f"{name}_final")] + first_launch.get(name, [])
+        specs += [{"name": f"{name}_straight", "flags": MODEL + flags + straight},
                   {"name": f"{name}_stopped", "flags": MODEL + flags + stopped},
                   {"name": f"{name}_resumed", "flags": MODEL + flags + ["--load", str(out / f"{name}_stop")]}]
     # Resharding, with nothing left to train (evaluate the loaded weights): vanilla TP2/PP2 -> TP1/PP4,
@@ -51,7 +57,8 @@ def runs(tmp_path_factory):
               {"name": "delay_at5_tp2_vanilla", "flags": MODEL + VANILLA + five},
               {"name": "llama_straight", "flags": MODEL + LLAMA + VANILLA + ["--save", str(out / "llama_final")]}]
     (out / "spec.json").write_text(json.dumps(specs))
-    torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")], timeout=900)
+    proc = torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")], timeout=900)
+    (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -89,6 +96,15 @@ def test_resume_is_bitwise_exact(runs, name):
     assert set(straight) == set(resumed) and len(straight) > 10
     different = [n for n in straight if not torch.equal(straight[n], resumed[n])]
     assert not different, f"parameters differ after resuming: {different[:5]}"
+
+
+def test_first_launch_with_load_on_an_empty_directory_starts_from_scratch(runs):
+    log = (runs / "torchrun.log").read_text()
+    warning = f"WARNING: --load {runs / 'vanilla_final'}: no checkpoint there yet"
+    assert log.count(warning) == 1, log[-3000:]  # once, not once per rank
+    assert _info(runs, "vanilla_straight")["start_iteration"] == 0
+    assert (runs / "vanilla_final" / files.TRACKER).read_text().strip() == str(ITERS)
+    assert not (runs / "vanilla_final" / files.LOCK).exists()  # released at exit
 
 
 def test_checkpoint_layout_and_manifest(runs):
@@ -162,6 +178,11 @@ def _corrupt(src, dst, how):
         (dst / files.TRACKER).write_text("123\n")
     elif how == "missing":
         rank_file.unlink()
+    elif how == "unlisted":  # e.g. another run's shard, written into this checkpoint
+        (folder / "model" / "__9_9.distcp").write_bytes(b"\0" * 64)
+    elif how == "edited_manifest":
+        path = folder / files.MANIFEST
+        path.write_text(path.read_text().replace('"iteration": 4', '"iteration": 104'))
 
 
 BAD = {
@@ -170,7 +191,15 @@ BAD = {
     "no_manifest": r"iter_0000004/manifest\.json: missing \(incomplete checkpoint\)",
     "dangling_tracker": r"latest_checkpointed_iteration\.txt points at iteration 123 but .*iter_0000123 does not exist",
     "missing": r"ranks/c00_tp00_pp000_dp000\.pt: missing \(listed in the manifest\)",
+    "unlisted": r"iter_0000004/model/__9_9\.distcp: not listed in the manifest",
+    "edited_manifest": r"iter_0000004/manifest\.json: sha256 differs from manifest\.json\.sha256 \(edited",
 }
+
+
+def _lock(root, pid):
+    """A lock of ``root`` held by process ``pid`` of this host."""
+    root.mkdir()
+    (root / files.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "started": "earlier"}))
 
 
 def test_bad_checkpoints_fail_clearly_and_a_killed_save_keeps_the_last_one(runs, tmp_path):
@@ -186,8 +215,25 @@ def test_bad_checkpoints_fail_clearly_and_a_killed_save_keeps_the_last_one(runs,
     last = int((killed / files.TRACKER).read_text())
     specs.append({"name": "killed", "flags": MODEL + ["--train-iters", "200", "--load", str(killed),
                                                       "--exit-interval", str(last + 1)]})
+    # A save directory in use by a live run (this test's process) is refused; one whose run is
+    # gone is taken over, and with --most-recent-k 2 only the last two saves stay.
+    _lock(tmp_path / "in_use", os.getpid())
+    specs.append({"name": "in_use", "expect_error": True, "flags": MODEL + ["--save", str(tmp_path / "in_use")]})
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _lock(tmp_path / "retained", gone.pid)
+    specs.append({"name": "retained", "flags": MODEL + ["--train-iters", "4", "--save", str(tmp_path / "retained"),
+                                                        "--save-interval", "1", "--most-recent-k", "2"]})
     (tmp_path / "spec.json").write_text(json.dumps(specs))
-    torchrun(1, REPO / "tests" / "scenarios.py", [str(tmp_path), str(tmp_path / "spec.json")])
+    proc = torchrun(1, REPO / "tests" / "scenarios.py", [str(tmp_path), str(tmp_path / "spec.json")])
+    in_use = (tmp_path / "in_use.error.0.txt").read_text()
+    assert re.fullmatch(rf".*in_use/run\.lock: --save directory in use by another run \(host {socket.gethostname()}, "
+                        rf"pid {os.getpid()}, started earlier\);[^\n]*", in_use), in_use
+    assert (proc.stdout + proc.stderr).count(f"took over the lock of a run that is gone (host {socket.gethostname()}, "
+                                             f"pid {gone.pid}") == 1
+    retained = tmp_path / "retained"
+    assert sorted(p.name for p in retained.iterdir()) == ["iter_0000003", "iter_0000004", files.TRACKER]
+    assert files.read_manifest(retained / "iter_0000003")["iteration"] == 3
     for how, pattern in BAD.items():
         message = (tmp_path / f"{how}.error.0.txt").read_text()
         assert re.search(pattern, message), (how, message)
@@ -277,7 +323,16 @@ def test_inspect_reports_a_tampered_file(runs, tmp_path):
     assert report["dilocox"]["sync_mode"] == "delay"
     victim = copy / "iter_0000005" / "ranks" / "c01_tp00_pp001_dp000.pt"
     victim.write_bytes(victim.read_bytes()[:-1] + b"x")
+    (copy / "iter_0000005" / "model" / "__7_0.distcp").write_bytes(b"another run's")
     proc = subprocess.run([sys.executable, "tools/checkpoint/inspect.py", str(copy)], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert "FAILED" in proc.stdout and "c01_tp00_pp001_dp000.pt: sha256 differs" in proc.stdout
+    assert "model/__7_0.distcp: not listed in the manifest" in proc.stdout
+    manifest = copy / "iter_0000005" / files.MANIFEST
+    manifest.write_text(manifest.read_text().replace('"iteration": 5', '"iteration": 6'))
+    proc = subprocess.run([sys.executable, "tools/checkpoint/inspect.py", str(copy)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == [f"inspect.py: error: {manifest}: sha256 differs from manifest.json.sha256 (edited or corrupted)"]

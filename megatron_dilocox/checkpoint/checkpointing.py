@@ -13,12 +13,16 @@ A checkpoint has two parts:
 Loading with another layout (or from a converted checkpoint, which has no ``ranks/``) restores
 the weights, the iteration and the learning-rate schedule; the inner optimizer and the outer
 state start fresh from those weights, and the log says so.
+
+A run owns its ``--save`` directory from start to exit (:func:`lock_save_dir`).
 """
 
+import atexit
 import contextlib
 import io
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -94,6 +98,12 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _warn(message: str) -> None:
+    """One warning line for the whole job (from rank 0)."""
+    if dist.get_rank() == 0:
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
 def _all_ranks_ok(error: str | None) -> None:
     """Raises on every rank the first error any rank found, so no rank waits on the others."""
     errors = [None] * dist.get_world_size()
@@ -104,6 +114,25 @@ def _all_ranks_ok(error: str | None) -> None:
 
 
 # -- save ----------------------------------------------------------------------------------------
+
+
+def lock_save_dir(root) -> None:
+    """Makes this run the owner of save directory ``root`` until its process exits; a second run
+    is refused, a stale lock left by a dead process on this host taken over (collective: rank 0
+    holds the lock)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            warning = files.lock(root)
+        except CheckpointError as err:
+            error = str(err)
+        except OSError as err:
+            error = f"--save {root}: cannot create the lock file: {err.strerror}"
+        else:
+            atexit.register(files.unlock, root)
+            if warning:
+                _warn(warning)
+    _all_ranks_ok(error)
 
 
 def _described(args) -> dict:
@@ -136,9 +165,10 @@ def _rank_state(trainer, iteration: int) -> dict:
             "dilocox": None if trainer.dilocox is None else trainer.dilocox.state_dict()}
 
 
-def _write_collectively(root, iteration: int, metadata: dict, write) -> Path:
+def _write_collectively(root, iteration: int, metadata: dict, write, keep: int = -1) -> Path:
     """Every rank calls ``write(folder)`` into a fresh ``.partial`` folder; then the files are
-    hashed (a share per rank) and rank 0 publishes them with the manifest."""
+    hashed (a share per rank) and rank 0 publishes them with the manifest and, with ``keep`` > 0,
+    deletes all but the last ``keep`` checkpoints."""
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = files.partial_dir(root, iteration)
     if rank == 0:
@@ -152,10 +182,17 @@ def _write_collectively(root, iteration: int, metadata: dict, write) -> Path:
     dist.broadcast_object_list(listing, src=0)
     described = [None] * world
     dist.all_gather_object(described, files.describe_files(folder, listing[0][rank::world]))
+    error = None
     if rank == 0:
         everything = {name: info for part in described for name, info in part.items()}
-        files.publish(root, iteration, metadata, everything)
-    dist.barrier()
+        try:
+            files.publish(root, iteration, metadata, everything)
+        except CheckpointError as err:
+            error = str(err)
+        else:
+            if keep > 0:
+                files.prune(root, keep)
+    _all_ranks_ok(error)
     return files.iteration_dir(root, iteration)
 
 
@@ -172,7 +209,8 @@ def save(trainer, iteration: int) -> Path:
         with dilocox.global_params(drained=True) if dilocox is not None else contextlib.nullcontext():
             dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
 
-    final = _write_collectively(trainer.args.save, iteration, _metadata(trainer, iteration), write)
+    final = _write_collectively(trainer.args.save, iteration, _metadata(trainer, iteration), write,
+                                trainer.args.most_recent_k)
     trainer.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {final} "
                          f"({time.perf_counter() - start:.1f} s)")
     return final
@@ -183,6 +221,7 @@ def save_weights(model, args, root, source: str) -> Path:
     into any layout like a resharded training checkpoint."""
     metadata = {"kind": "weights", "source": source, "iteration": 0, "eval_round": 0,
                 "layout": None, "dilocox": None, **_described(args)}
+    lock_save_dir(root)
     return _write_collectively(root, 0, metadata, lambda folder: dist_checkpointing.save(
         model_sharded_state_dict(model), str(folder / "model")))
 
@@ -216,6 +255,16 @@ class Resume:
     :meth:`restore` on the trainer.
     """
 
+    @classmethod
+    def find(cls, args, topo) -> "Resume | None":
+        """The checkpoint in ``--load`` to resume from; None, with one warning, when that directory
+        holds none yet (as in Megatron-LM, so a first launch with ``--save X --load X`` starts from
+        scratch)."""
+        if files.has_checkpoint(args.load):
+            return cls(args, topo)
+        _warn(f"--load {args.load}: no checkpoint there yet (no {files.TRACKER}); starting from scratch")
+        return None
+
     def __init__(self, args, topo):
         rank, world = dist.get_rank(), dist.get_world_size()
         error = None
@@ -223,6 +272,8 @@ class Resume:
             self.folder = files.latest(args.load)
             self.manifest = files.read_manifest(self.folder)
             names = sorted(self.manifest["files"])
+            if rank == 0:
+                files.check_listed(self.folder, self.manifest)
             files.verify(self.folder, self.manifest, names[rank::world])
             _check_compatible(self.manifest, self.folder / files.MANIFEST, args)
         except CheckpointError as err:

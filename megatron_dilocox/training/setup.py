@@ -20,7 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
-from megatron_dilocox.checkpoint.checkpointing import Resume  # noqa: E402
+from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir  # noqa: E402
 from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
 from megatron_dilocox.arguments import ConfigError, compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
 from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
@@ -73,6 +73,8 @@ def setup(args):
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if args.save:
+        lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     init_distributed(backend, args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
     staged = args.dilocox_offload_outer_state and torch.cuda.is_available()
@@ -92,9 +94,8 @@ def setup(args):
     chunks = build_gpt_chunks(args, config, args.padded_vocab_size)
     initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
-    resume = None
-    if args.load:
-        resume = Resume(args, topo)
+    resume = Resume.find(args, topo) if args.load else None
+    if resume is not None:
         resume.load_weights(model)  # before the optimizer copies them into its main params
     optimizer, scheduler = build_optimizer(args, model, config, topo)
     dilocox = (DiLoCoX(optimizer, topo, dilocox_config(args), compression_config(args), args.seed,

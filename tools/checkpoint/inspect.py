@@ -3,7 +3,9 @@
     python tools/checkpoint/inspect.py CKPT_DIR [--iteration N] [--no-verify] [--json]
 
 Shows the iteration, model, layout, DiLoCoX state (outer step, whether a reduction was in flight,
-compressor state), sizes, and ``OK`` / the problem for every file. Exits 1 if a file fails.
+compressor state), sizes, and ``OK`` / the problem for every file, files the manifest does not
+list included. Exits 1 if a file fails, 2 if the checkpoint cannot be read (e.g. its manifest
+does not match its digest).
 Reads files only: no process group, no megatron.
 """
 
@@ -62,6 +64,10 @@ def inspect(root, iteration: int | None, verify: bool) -> dict:
             except CheckpointError as err:
                 status = str(err)
         report["files"][name] = {"bytes": info["bytes"], "sha256": info["sha256"], "status": status}
+    if verify:
+        for name in files.unlisted(folder, manifest):
+            report["files"][name] = {"bytes": (folder / name).stat().st_size, "sha256": None,
+                                     "status": f"{folder / name}: {files.NOT_LISTED}"}
     ranks = [n for n in manifest["files"] if n.startswith("ranks/")]
     if manifest.get("dilocox") and ranks and report["files"][ranks[0]]["status"] in ("OK", "not checked"):
         report["outer_state"] = {"file": ranks[0], **_outer_summary(folder, ranks[0])}
