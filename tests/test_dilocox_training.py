@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from launch import REPO, read_jsonl, torchrun
+from megatron_dilocox.outer.compression import topk, wire
 
 H, ITERS = 3, 9
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -21,6 +22,7 @@ MODES = ("sync", "delay")
 ADAPTIVE_H = ["--dilocox-min-local-steps", "2", "--dilocox-max-local-steps", "6", "--dilocox-emulated-delay-s", "3"]
 COMPRESSED = ["--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-quant-bits", "4",
               "--dilocox-adaptive", "--dilocox-error-feedback"]
+TOPK = ["--dilocox-compression", "topk", "--dilocox-quant-bits", "2", "--dilocox-topk-chunk", "1024"]
 # A NaN in one parameter of rank 0 (stage 0, or TP rank 0, of cluster 0) before the first boundary,
 # and the rounds every rank must skip: delay mode applies that round at the second boundary.
 NAN_RUNS = {"nan_pp2": (LAYOUTS["pp2"] + ["--dilocox-sync-mode", "delay"], [False, True, False]),
@@ -33,6 +35,7 @@ def runs(tmp_path_factory):
     specs = [{"name": f"{layout}_{mode}", "flags": MODEL + flags + ["--dilocox-sync-mode", mode]}
              for layout, flags in LAYOUTS.items() for mode in MODES]
     specs.append({"name": "compressed", "flags": MODEL + LAYOUTS["pp2"] + COMPRESSED})
+    specs.append({"name": "topk", "flags": MODEL + LAYOUTS["pp2"] + TOPK})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
     specs += [{"name": name, "flags": MODEL + flags, "inject_nan": {"rank": 0, "iteration": H}}
               for name, (flags, _) in NAN_RUNS.items()]
@@ -126,6 +129,19 @@ def test_compressed_rounds(runs):
         assert r["dense_bytes"] == dense
         assert r["bytes_sent"] < dense / 4 and r["compression_ratio"] > 4
         assert 0 < r["rel_error"] < 1 and 1 <= r["mean_rank"] <= 4
+
+
+def test_topk_rounds(runs):
+    """topk (error feedback on by default): clusters agree bit for bit after every round, and each
+    round sends the format's bytes for the last stage's shard (plus the handshake, once)."""
+    infos = [json.loads((runs / f"topk.info.{rank}.json").read_text()) for rank in range(4)]
+    assert all(info["hash_checks"] == ITERS // H for info in infos)
+    applied = [r for r in read_jsonl(runs / "topk.metrics.jsonl") if "outer_step" in r and r["bytes_sent"]]
+    payload = wire.HEADER_BYTES + topk.nbytes(infos[3]["outer_numel"], 1024, 1 / 64, 2)
+    assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 1)
+    for r in applied:
+        assert r["compression_ratio"] == 4 * infos[3]["outer_numel"] / payload > 50
+        assert 0 < r["rel_error"] < 1 and r["residual_ratio"] > 0
 
 
 def test_adaptive_local_steps(runs):

@@ -114,8 +114,12 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
     k = kept(length, density)
     mag = rows.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
     kth = mag.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)
-    above, tied = mag > kth, mag == kth
-    keep = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
+    keep = mag >= kth
+    crowded = keep.sum(1) > k  # chunks with ties at the k-th magnitude: the lowest indices win
+    if bool(crowded.any()):
+        sub, edge = mag[crowded], kth[crowded]
+        above, tied = sub > edge, sub == edge
+        keep[crowded] = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
     cols = keep.nonzero()[:, 1].view(-1, k)  # row-major: ascending within each chunk
     scale = mag.amax(1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk codes 0s
