@@ -87,7 +87,8 @@ def _check_splits(prefixes, split_matrix, args):
     megatron never finishes indexing an empty split, and a smaller one repeats within a sample."""
     need = args.seq_length + 1
     for prefix in prefixes:
-        lengths = _IndexReader(prefix + ".idx", multimodal=False).sequence_lengths
+        index = _IndexReader(prefix + ".idx", multimodal=False)  # kept: its lengths view its memory map
+        lengths = index.sequence_lengths
         for name, bounds in zip(("train", "validation", "test"), split_matrix):
             if bounds is None:
                 continue
