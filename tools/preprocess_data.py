@@ -26,6 +26,9 @@ from typing import Dict, List, Optional, Tuple
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from megatron_dilocox.platform import cpu  # noqa: E402
+
+cpu.quiet_fallback_warnings()  # before megatron-core announces, at import, what it falls back on
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 
 from megatron_dilocox.checkpoint.files import write_atomic  # noqa: E402

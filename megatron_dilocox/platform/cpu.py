@@ -10,7 +10,9 @@ name is torch's own function, so model compute costs exactly what it costs witho
 which is safe only because CUDA is absent: ``.cuda()`` returns the tensor itself, and
 ``.type()`` reports CPU tensors under their CUDA type name.
 
-:func:`install` does nothing when CUDA is available.
+:func:`install` does nothing when CUDA is available; it also silences megatron-core's warnings
+that are expected on CPU (missing Transformer Engine and apex, CUDA stream advice): :data:`NOTE` is
+the one line that says so instead.
 """
 
 import functools
@@ -18,6 +20,7 @@ import importlib
 import logging
 import sys
 import types
+import warnings
 
 import torch
 
@@ -82,6 +85,22 @@ class _CpuTorch(types.ModuleType):
 _CPU_TORCH = _CpuTorch()
 _installed = False
 
+# megatron-core announces its pure-torch fallbacks at import, once per module and process: expected
+# without Transformer Engine and apex (always on CPU), and nothing the user can act on.
+_FALLBACK_WARNINGS = (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
+                      r"full scope is deprecated")
+# Advice for CUDA streams, given for every tensor-parallel layer.
+_CUDA_ONLY_WARNINGS = (r"When using async grad allreduce it is recommended to set the environment variable "
+                       r"CUDA_DEVICE_MAX_CONNECTIONS",)
+NOTE = "> CPU: gloo process groups, megatron-core's local layer spec and its torch fallbacks for apex"
+
+
+def quiet_fallback_warnings() -> None:
+    """Silences megatron-core's warnings about missing Transformer Engine and apex: call before
+    megatron-core is imported."""
+    for message in _FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
 
 def _cpu_tensor_type(original):
     """``Tensor.type()`` that reports CPU float tensors as their CUDA twin, so megatron's
@@ -141,6 +160,9 @@ def install() -> bool:
         return False
     if _installed:
         return True
+    quiet_fallback_warnings()
+    for message in _CUDA_ONLY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     for name, module in list(sys.modules.items()):
         if name.startswith(_PREFIX) and module is not None:
             _patch_module(module)

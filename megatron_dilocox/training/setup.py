@@ -1,20 +1,14 @@
 """From parsed flags to a running job: process groups, data, model, optimizers, loop."""
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from megatron_dilocox.platform import cpu
 
-# megatron-core announces its pure-torch fallbacks (no apex / Transformer Engine) at import, once
-# per module and rank; they are expected on CPU and say nothing the user can act on.
-for _expected in (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
-                  r"full scope is deprecated"):
-    warnings.filterwarnings("ignore", message=_expected)
-
-cpu.install()  # before megatron-core is used: it must see CPU where it expects CUDA
+cpu.quiet_fallback_warnings()
+ON_CPU = cpu.install()  # before megatron-core is used: it must see CPU where it expects CUDA
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
@@ -121,6 +115,8 @@ def describe(args, topo) -> str:
 
 def run(args) -> None:
     trainer = setup(args)
+    if ON_CPU:
+        trainer.logger.print(cpu.NOTE)
     trainer.logger.print(f"> {describe(args, trainer.topo)}; {args.train_iters} iterations, "
                          f"global batch {args.global_batch_size} x {args.seq_length} tokens")
     trainer.train()
