@@ -76,11 +76,16 @@ _check_environment() {
 
 _plan() {  # the planner on exactly the launch flags; exits non-zero when it does not fit
   echo "> planner: tools/plan.py on the same flags ($CLUSTERS clusters x $((NNODES / CLUSTERS)) nodes x $GPUS_PER_NODE GPUs)"
+  local status=0
   "$PYTHON" tools/plan.py --gpus-per-cluster $((NNODES / CLUSTERS * GPUS_PER_NODE)) --vocab-size "$VOCAB_SIZE" \
     --gpu-memory-gib "$GPU_MEMORY_GIB" --gpu-tflops "$GPU_TFLOPS" --intra-bandwidth-gbps "$INTRA_BANDWIDTH_GBPS" \
     --tp-bandwidth-gbps "$TP_BANDWIDTH_GBPS" --inter-bandwidth-gbps "$INTER_BANDWIDTH_GBPS" --check-fits \
-    -- "${PRETRAIN_ARGS[@]}" \
-    || _fail "the planner says this layout does not fit $GPU_MEMORY_GIB GiB per GPU (or rejects it): run the command above"
+    -- "${PRETRAIN_ARGS[@]}" || status=$?
+  case $status in
+    0) ;;
+    3) _fail "the planner says this layout does not fit $GPU_MEMORY_GIB GiB per GPU: see the plan above" ;;
+    *) _fail "tools/plan.py failed (exit status $status): see its error above" ;;
+  esac
 }
 
 launch() {

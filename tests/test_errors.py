@@ -153,3 +153,11 @@ def test_error_reaches_torchruns_summary_from_every_rank():
     root_cause = proc.stderr.split("Root Cause (first observed failure):")[-1]
     assert "exitcode  : 2" in root_cause, proc.stderr
     assert "traceback : pretrain_gpt.py: error: --load: no such directory: /nonexistent/ckpt" in root_cause, proc.stderr
+
+
+def test_split_without_a_sample_is_refused_before_training(tiny_dataset):
+    """megatron-core would index an empty validation split forever; the test split is never read."""
+    proc = run_pretrain(BASE + _data_flags(tiny_dataset, tiny_dataset / "c_text_document") + ["--split", "999,1,0"],
+                        world_env=True)
+    assert_one_line_error(proc, "--split 999,1,0: the validation split of", "gets 0 of its 60 documents",
+                          "--seq-length + 1 = 17 tokens")

@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dilocox-compression", choices=CODECS, help="Pseudo-gradient codec.")
     g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4, 3, 2], help="Default 8 (topk: 4).")
     g.add_argument("--dilocox-quant-block", type=int, help="Values per quantization scale.")
-    g.add_argument("--dilocox-topk-density", type=float)
-    g.add_argument("--dilocox-topk-chunk", type=int)
+    g.add_argument("--dilocox-topk-density", type=float, help="topk: fraction of each chunk's entries sent.")
+    g.add_argument("--dilocox-topk-chunk", type=int, help="topk: elements per chunk.")
     g.add_argument("--dilocox-rank", type=int, help="Low-rank rank.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES,
                    help="sync blocks on the exchange; the other modes overlap it with the next round.")

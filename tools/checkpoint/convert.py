@@ -25,7 +25,8 @@ import shutil  # noqa: E402
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
+# torch, transformers and megatron-core are imported where they are used, after the flags are
+# parsed: --help and flag errors come without their seconds of start-up.
 
 
 def _fail(message: str):
@@ -69,12 +70,15 @@ def _args_from_manifest(manifest: dict) -> argparse.Namespace:
 
 
 def _our_logits(chunk, tokens):
+    import torch
+
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         return chunk(tokens, positions, None).float()
 
 
 def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> None:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from megatron_dilocox.checkpoint import files, hf
@@ -112,6 +116,7 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
 
 
 def from_hf(load: str, save: str) -> None:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_dilocox.arguments import padded_vocab_size, parse_args
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     into.add_argument("--load", required=True, help="Hugging Face folder (config.json + weights)")
     into.add_argument("--save", required=True, help="checkpoint directory to write")
     args = parser.parse_args(argv)
-    from megatron_dilocox.arguments import ConfigError
+    from megatron_dilocox.arguments import ConfigError, missing_dependency
 
     try:
         if args.direction == "to-hf":
@@ -162,6 +167,8 @@ def main(argv=None) -> int:
             from_hf(args.load, args.save)
     except ConfigError as err:
         _fail(str(err))
+    except ModuleNotFoundError as err:
+        _fail(missing_dependency(err))
     return 0
 
 

@@ -20,8 +20,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 from megatron_dilocox.checkpoint import files  # noqa: E402
 from megatron_dilocox.checkpoint.files import CheckpointError  # noqa: E402
 
@@ -32,6 +30,8 @@ def _mib(n: int) -> str:
 
 def _outer_summary(folder: Path, name: str) -> dict:
     """The DiLoCoX state of one rank file, in numbers."""
+    import torch  # here, not at the top: the usage and errors print without torch's start-up
+
     state = torch.load(folder / name, weights_only=True)["dilocox"]
     sync = state["sync"]
     summary = {"outer_step": sync["outer_step"], "sync_mode": sync["sync_mode"],

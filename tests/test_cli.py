@@ -1,0 +1,107 @@
+"""The command-line surface a new user meets first: the environment script, --help, a run outside
+the environment, Ctrl-C. (tools/bench_cli.py prints the --help start-up times.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import REPO, free_port
+
+TOOLS = ["pretrain_gpt.py", "tools/plan.py", "tools/checkpoint/inspect.py", "tools/checkpoint/convert.py"]
+
+
+def _bash(script: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_sourcing_setup_env_keeps_the_callers_shell_options():
+    proc = _bash('before="$(set +o; shopt -p)"; set -- a b; source tools/setup_env.sh; echo "status $? args $*"; '
+                 '[ "$before" = "$(set +o; shopt -p)" ] && echo "options kept"; command -v python',
+                 VENV=sys.prefix)
+    assert proc.stdout.splitlines() == ["status 0 args a b", "options kept", f"{sys.prefix}/bin/python"], proc.stderr
+
+
+def test_setup_env_failures_stay_fatal_under_set_e(tmp_path):
+    broken = dict(VENV=str(tmp_path / "venv"), PYTHON="false")  # creating the venv fails
+    proc = _bash("set -euo pipefail; source tools/setup_env.sh; echo not reached", **broken)
+    assert proc.returncode != 0 and "not reached" not in proc.stdout
+    proc = _bash("source tools/setup_env.sh; echo status $? opts $-", **broken)
+    status, options = proc.stdout.splitlines()[-1].split(" opts ")
+    assert status == "status 1" and "e" not in options  # the caller goes on, without set -e
+    assert "tools/setup_env.sh: error: installing into" in proc.stderr
+
+
+def _without_torch(tmp_path):
+    """A Python that has no site-packages: no torch, no megatron-core, no sentencepiece."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help_parses_flags_before_heavy_imports(tool, tmp_path):
+    """--help comes without torch (so without its seconds of start-up) and shows defaults."""
+    proc = subprocess.run([_without_torch(tmp_path), tool, "--help"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr
+    if tool in ("pretrain_gpt.py", "tools/plan.py"):
+        assert "H: inner steps per outer round. (default: 20)" in " ".join(proc.stdout.split())
+
+
+def test_every_flag_has_help():
+    sys.path.insert(0, str(REPO))
+    import tools.plan
+    from megatron_dilocox.arguments import build_parser
+
+    for parser in (build_parser(), tools.plan.build_parser()):
+        assert [a.option_strings for a in parser._actions if not a.help] == []
+
+
+def test_a_run_outside_the_environment_names_what_is_missing(tmp_path):
+    python = _without_torch(tmp_path)
+    proc = subprocess.run([python, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+                           "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                           "--vocab-size", "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"pretrain_gpt.py: error: Python module 'torch' is not installed for {sys.executable}: install the pinned "
+        "dependencies with `source tools/setup_env.sh` (or: pip install -r requirements-cpu.txt && pip install -e .)"]
+    script = "examples/gpt_107b/pretrain_gpt_107b_dilocox.sh"
+    proc = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": python, "PATH": "/usr/bin:/bin"})
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 2, proc.stderr
+    assert errors[0].startswith("tools/plan.py: error: Python module 'torch' is not installed")
+    assert errors[1] == "gpt_107b_dilocox: error: tools/plan.py failed (exit status 2): see its error above"
+
+
+def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tiny_dataset, tmp_path):
+    """Ctrl-C reaches a rank twice under torchrun (the terminal's, then torchrun's forwarded one)."""
+    save = tmp_path / "ckpt"
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "100000", "--lr", "1e-3",
+         "--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model", str(tiny_dataset / "sp.model"),
+         "--data-cache-path", str(tmp_path / "cache"), "--save", str(save), "--save-interval", "2",
+         "--log-interval", "1000"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (save / "latest_checkpointed_iteration.txt").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    lines = [line for line in stderr.splitlines() if not line.startswith("WARNING:")]
+    assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert lines[0].startswith(f"pretrain_gpt.py: interrupted: last checkpoint {save}/iter_"), lines[0]
+    assert lines[0].endswith(f"(resume with --load {save})")
