@@ -103,8 +103,9 @@ def scenario_tamper(rank, group, tap, codec="lowrank-quantize"):
     return None
 
 
-def scenario_mismatch(rank, group, tap):
-    red = CompressedReducer(SHAPES, "quantize", bits=8 if rank == 0 else 4)
+def scenario_mismatch(rank, group, tap, codec="quantize", **per_rank):
+    """Clusters that differ in one setting: ``per_rank`` maps it to (cluster 0's, cluster 1's)."""
+    red = CompressedReducer(SHAPES, codec, **{k: v[rank] for k, v in (per_rank or dict(bits=(8, 4))).items()})
     try:
         red([cluster_input(rank, 1)], group)
     except ValueError as e:
@@ -142,7 +143,8 @@ def _scenarios(rank, group):
     return {name: fn(rank, group, tap) for name, fn in (
         ("codecs", scenario_codecs), ("tamper", scenario_tamper),
         ("tamper_topk", lambda *a: scenario_tamper(*a, codec="topk")),
-        ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync))}
+        ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync),
+        ("mismatch_topk", lambda *a: scenario_mismatch(*a, codec="topk", density=(0.05, 0.1))))}
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +224,10 @@ def test_tampered_payload_raises_on_every_rank(ranks, scenario):
         assert rank[scenario].startswith("outer round 2: payload from cluster 1 failed its checksum")
 
 
-def test_mismatched_settings_fail_the_handshake_on_every_rank(ranks):
-    assert "cluster 1 runs different compression settings" in ranks[0]["mismatch"]
-    assert "cluster 0 runs different compression settings" in ranks[1]["mismatch"]
+@pytest.mark.parametrize("scenario", ["mismatch", "mismatch_topk"])
+def test_mismatched_settings_fail_the_handshake_on_every_rank(ranks, scenario):
+    assert "cluster 1 runs different compression settings" in ranks[0][scenario]
+    assert "cluster 0 runs different compression settings" in ranks[1][scenario]
 
 
 def test_outer_sync_with_compressed_reducer_keeps_bases_identical(ranks):
