@@ -18,7 +18,14 @@ from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: E
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
-from megatron_dilocox.data.corpus import MIN_DOC_CHARS, build_stdlib_corpus  # noqa: E402
+from megatron_dilocox.data.corpus import (  # noqa: E402
+    MAX_LINE_CHARS,
+    MAX_SOURCE_BYTES,
+    MIN_DOC_CHARS,
+    SOURCES,
+    build_corpus,
+    iter_documents,
+)
 from megatron_dilocox.data.tokenizer import (  # noqa: E402
     NullTokenizer,
     SentencePieceTokenizer,
@@ -96,12 +103,125 @@ def pipeline(tmp_path_factory):
 
 def test_corpus_is_deterministic_and_atomic(tmp_path, pipeline):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert build_stdlib_corpus(str(a), max_docs=NUM_DOCS) == NUM_DOCS
-    assert build_stdlib_corpus(str(b), max_docs=NUM_DOCS) == NUM_DOCS
+    assert build_corpus(str(a), max_docs=NUM_DOCS) == NUM_DOCS
+    assert build_corpus(str(b), max_docs=NUM_DOCS) == NUM_DOCS
     assert a.read_bytes() == b.read_bytes() == open(pipeline["corpus"], "rb").read()
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]  # no temporary left behind
     assert all(len(doc) >= MIN_DOC_CHARS for doc in pipeline["docs"])
     assert sum(map(len, pipeline["docs"])) > 100_000
+
+
+_PROSE = "Explains what this part is for, in words enough to count as a document. " * 4
+
+
+def _fake_install(root):
+    """Writes a small fake standard library and site-packages; returns their two paths."""
+    alpha = f'"""Alpha. {_PROSE}"""\n\n# Why x is one: {_PROSE}\nx = 1\n'
+    files = {
+        "stdlib/alpha.py": alpha,
+        "stdlib/README.txt": f"Readme. {_PROSE}",
+        "stdlib/email/beta.py": f'"""Beta. {_PROSE}"""\nimport os\n',
+        "stdlib/test/test_alpha.py": f'"""Test suite, skipped. {_PROSE}"""\n',
+        "stdlib/site-packages/inner.py": f'"""Not the stdlib. {_PROSE}"""\n',
+        "site/pkg/__init__.py": "",
+        "site/pkg/mod.py": f"# Copyright header, kept: {_PROSE}\ndef f():\n    return 1\n",
+        "site/pkg/copy_of_alpha.py": alpha,
+        "site/__pycache__/cached.py": f"# Cache. {_PROSE}\n",
+        "site/__editable___pkg_finder.py": f"MAPPING = {{'pkg': '/abs/checkout'}}  # {_PROSE}\n",
+    }
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    # A PEP 263 latin-1 file with Windows line ends: decoded as Python does, "\r\n" -> "\n".
+    latin = f'# -*- coding: latin-1 -*-\r\n"""Caf\xe9. {_PROSE}"""\r\n'.encode("latin-1")
+    (root / "stdlib" / "latin.py").write_bytes(latin)
+    return str(root / "stdlib"), str(root / "site")
+
+
+def _fake_corpus(tmp_path, name, source):
+    """Builds ``source`` from the fake install under ``tmp_path``; returns file and documents."""
+    stdlib_dir, site_dir = _fake_install(tmp_path / "install")
+    out = tmp_path / f"{name}.jsonl"
+    build_corpus(str(out), source, stdlib_dir=stdlib_dir, site_dirs=[site_dir])
+    with open(out, encoding="utf-8") as f:
+        return out, [json.loads(line)["text"] for line in f]
+
+
+def test_each_source_reads_its_places(tmp_path):
+    outs = {source: _fake_corpus(tmp_path, source, source) for source in SOURCES}
+    docs = {source: out_docs for source, (_, out_docs) in outs.items()}
+    prose = docs["stdlib-docs"]
+    assert [d.split(".")[0] for d in prose] == ["Readme", "Alpha", "Beta", "Café"]
+    assert prose[1].startswith("Alpha.") and "Why x is one" in prose[1] and "x = 1" not in prose[1]
+    assert [d.splitlines()[0] for d in docs["stdlib"][len(prose) :]] == [
+        '"""Alpha. ' + _PROSE + '"""',
+        '"""Beta. ' + _PROSE + '"""',
+        "# -*- coding: latin-1 -*-",
+    ]
+    assert docs["stdlib"][-1] == f'# -*- coding: latin-1 -*-\n"""Café. {_PROSE}"""'
+    # Only pkg/mod.py is new: the copy of alpha.py is a duplicate, __init__.py is too short,
+    # and caches and editable-install finders are not read.
+    assert docs["stdlib+site-packages"][len(docs["stdlib"]) :] == [
+        f"# Copyright header, kept: {_PROSE}\ndef f():\n    return 1"
+    ]
+    everything = "".join(docs["stdlib+site-packages"])
+    assert "skipped" not in everything and "Not the stdlib" not in everything
+    assert "Cache." not in everything and "/abs/checkout" not in everything
+    # Each choice's file extends the one before, byte for byte.
+    small, medium, large = (outs[source][0].read_bytes() for source in SOURCES)
+    assert medium.startswith(small) and large.startswith(medium)
+
+
+def test_build_is_deterministic_and_deduplicated(tmp_path):
+    a, docs = _fake_corpus(tmp_path / "a", "out", "stdlib+site-packages")
+    b, _ = _fake_corpus(tmp_path / "b", "out", "stdlib+site-packages")
+    assert a.read_bytes() == b.read_bytes()  # two builds, from two places
+    assert len(set(docs)) == len(docs)  # no document on both sides of a --split
+    assert sorted(os.listdir(tmp_path / "a")) == ["install", "out.jsonl"]  # no temporary left
+    stdlib_dir, site_dir = _fake_install(tmp_path / "c")
+    (tmp_path / "c" / "site" / "pkg" / "mod2.py").write_text("\n\n" + docs[-1] + "\n  \n")
+    dup = list(iter_documents("stdlib+site-packages", stdlib_dir, [site_dir]))
+    assert dup == docs  # the same text up to surrounding whitespace counts once
+
+
+def test_source_size_limits(tmp_path):
+    stdlib_dir, _ = _fake_install(tmp_path)
+    names = ("line_ok", "line_long", "size_ok", "size_big")
+    heads = {name: f"# {name}: {_PROSE}\n" for name in names}
+    texts = {
+        "line_ok": heads["line_ok"] + "x" * MAX_LINE_CHARS,
+        "line_long": heads["line_long"] + "x" * (MAX_LINE_CHARS + 1),
+        # ASCII, so characters are bytes; the padding lines are empty, hence short.
+        "size_ok": heads["size_ok"].ljust(MAX_SOURCE_BYTES, "\n"),
+        "size_big": heads["size_big"].ljust(MAX_SOURCE_BYTES + 1, "\n"),
+    }
+    for name, text in texts.items():
+        (tmp_path / "stdlib" / f"{name}.py").write_bytes(text.encode("ascii"))
+    prose = list(iter_documents("stdlib-docs", stdlib_dir))
+    code = list(iter_documents("stdlib", stdlib_dir))[len(prose) :]
+    kept = {name for name in texts if any(doc.startswith(f"# {name}:") for doc in code)}
+    assert kept == {"line_ok", "size_ok"}
+    # The limits only concern whole files: the comments of all four are still prose.
+    assert all(any(doc.startswith(f"{name}:") for doc in prose) for name in texts)
+
+
+def test_make_corpus_cli(pipeline, tmp_path, capsys):
+    main = _load_tool("make_corpus").main
+    out = str(tmp_path / "c.jsonl")
+    message = _exit_message(main, ["--output", out, "--source", "stdlib-src"], capsys)
+    assert ": error: argument --source: invalid choice: 'stdlib-src' (choose from " in message
+    assert all(source in message for source in SOURCES)  # quoted or not, by Python version
+    assert "--count-tokens" in _exit_message(main, ["--output", out, "--count-tokens", out], capsys)
+    assert not os.path.exists(out)
+    with pytest.raises(ValueError, match="stdlib-src"):
+        iter_documents("stdlib-src")
+    # The token count equals what preprocess_data wrote for the same documents and model.
+    main(["--output", out, "--max-docs", str(NUM_DOCS), "--count-tokens", pipeline["model"]])
+    tokens = sum(len(doc) for doc in IndexedDataset(pipeline["prefix"]))
+    stdout = capsys.readouterr().out
+    assert f"wrote {NUM_DOCS} documents" in stdout
+    assert f"{tokens} tokens (one eod per document)" in stdout
 
 
 def test_tokenizer_properties(pipeline):
@@ -124,7 +244,8 @@ def test_preprocess_roundtrip(pipeline):
         assert dataset[i].tolist() == tok.tokenize(doc) + [tok.eod]
     assert "docs/s" in pipeline["log"] and "wrote 50 documents" in pipeline["log"]
     out_dir = os.path.dirname(pipeline["prefix"])
-    assert sorted(os.listdir(out_dir)) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    suffixes = [".bin", ".idx", ".tokenizer.json"]
+    assert sorted(os.listdir(out_dir)) == [f"corpus_text_document{s}" for s in suffixes]
 
 
 def test_gpt_dataset_reads_preprocessed_data(pipeline):

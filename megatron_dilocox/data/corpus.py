@@ -1,23 +1,48 @@
-"""Builds a real-text corpus from the Python standard library, needing no download.
+"""Builds a real-text corpus from the Python installation itself, needing no download.
 
-Every Python installation ships megabytes of English prose: module, class and
-function docstrings, explanatory comments, the language reference topics that
-``pydoc`` serves (``pydoc_data/topics.py``) and a few license/readme files.
-This module collects that text into a JSON-lines corpus, one document per source
-file (or per pydoc topic), in sorted path order so that two machines with the
-same Python version and layout produce byte-identical output.
+Three sources (``SOURCES``), each extending the one before, so that its output is a
+prefix of the next one's:
+
+- ``stdlib-docs``: the English prose every Python installation ships: module, class
+  and function docstrings, explanatory comments, the language reference topics that
+  ``pydoc`` serves (``pydoc_data/topics.py``) and the license/readme files; one
+  document per source file (or per pydoc topic).
+- ``stdlib``: plus the standard library's Python source files, whole, one document each.
+- ``stdlib+site-packages``: plus the ``.py`` files of the installed packages
+  (``sysconfig``'s purelib/platlib directories), whole, one document each.
+
+Files are visited in sorted path order, Python files are decoded as the interpreter
+decodes them (PEP 263 cookies, universal newlines) and the output is UTF-8 with ``\\n``
+line ends, so the same Python version and the same installed packages give a
+byte-identical corpus. The two stdlib sources depend only on the Python version; the
+site-packages part depends on every installed package's version (requirements-cpu.txt
+pins the direct dependencies only, so ``pip freeze`` is what fixes it). Exact duplicate documents
+are written once, so no document can land on both sides of megatron's document-level
+train/validation split.
 """
 
 import ast
+import hashlib
 import json
 import os
 import sysconfig
 import tokenize
-from itertools import islice
-from typing import Iterator, List, Optional, Set
+from itertools import chain, islice
+from typing import Callable, Collection, Iterator, List, Optional, Sequence, Set
+
+SOURCES = ("stdlib-docs", "stdlib", "stdlib+site-packages")
+"""The corpus choices, smallest first (see the module docstring)."""
 
 MIN_DOC_CHARS = 200
 """Documents shorter than this many characters are skipped."""
+
+MAX_SOURCE_BYTES = 1_000_000
+"""Python files larger than this many bytes are not taken whole: at that size they are
+generated tables or vendored bundles rather than written code."""
+
+MAX_LINE_CHARS = 1_000
+"""Python files with a line longer than this many characters are not taken whole: such
+lines are generated (minified code, embedded data or base64 blobs)."""
 
 # Directories skipped: third-party packages, build config, caches, the test suite,
 # and parts that Linux distributions often split out into optional packages
@@ -41,16 +66,35 @@ _PREFIXES = ("LICENSE", "README")
 _PYDOC_TOPICS = "pydoc_data/topics.py"
 
 
-def _source_files(root: str) -> List[str]:
-    """Lists the corpus source files under ``root`` as sorted POSIX relative paths."""
+def _source_files(
+    root: str, skip_dirs: Collection[str], wanted: Callable[[str], bool]
+) -> List[str]:
+    """Lists the files under ``root`` whose names are ``wanted`` as sorted POSIX relative paths.
+
+    Directories named in ``skip_dirs`` or starting with ``config-`` are not entered.
+    """
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("config-")]
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith("config-")]
         rel_dir = os.path.relpath(dirpath, root)
         for name in filenames:
-            if name.endswith(_SUFFIXES) or name.startswith(_PREFIXES):
+            if wanted(name):
                 found.append(os.path.normpath(os.path.join(rel_dir, name)).replace(os.sep, "/"))
     return sorted(found)
+
+
+def _is_prose_file(name: str) -> bool:
+    """Whether a stdlib file feeds the ``stdlib-docs`` part (Python, text, license, readme)."""
+    return name.endswith(_SUFFIXES) or name.startswith(_PREFIXES)
+
+
+def _is_code_file(name: str) -> bool:
+    """Whether a file is taken whole as Python source.
+
+    pip's editable-install finders (``__editable__*``) are left out: they hold absolute
+    paths of the checkout, which would make the corpus depend on where it lives.
+    """
+    return name.endswith(".py") and not name.startswith("__editable__")
 
 
 def _comment_blocks(lines: List[str], string_lines: Set[int]) -> List[str]:
@@ -114,46 +158,126 @@ def _file_documents(path: str, rel_path: str) -> List[str]:
         return []
 
 
-def iter_stdlib_documents(stdlib_dir: Optional[str] = None) -> Iterator[str]:
-    """Yields the corpus documents of the standard library in deterministic order.
+def _whole_source(path: str) -> Optional[str]:
+    """Returns a Python file's text, or None if unreadable or over the size/line limits."""
+    try:
+        if os.path.getsize(path) > MAX_SOURCE_BYTES:
+            return None
+        with tokenize.open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None
+    if any(len(line) > MAX_LINE_CHARS for line in text.splitlines()):
+        return None
+    return text
+
+
+def _prose_documents(root: str) -> Iterator[str]:
+    """Yields the ``stdlib-docs`` documents of the standard library at ``root``."""
+    for rel_path in _source_files(root, _SKIP_DIRS, _is_prose_file):
+        yield from _file_documents(os.path.join(root, rel_path), rel_path)
+
+
+def _code_documents(root: str, skip_dirs: Collection[str]) -> Iterator[str]:
+    """Yields the Python files under ``root`` whole (those within the limits)."""
+    for rel_path in _source_files(root, skip_dirs, _is_code_file):
+        text = _whole_source(os.path.join(root, rel_path))
+        if text is not None:
+            yield text
+
+
+def site_packages_dirs() -> List[str]:
+    """Returns this interpreter's installed-package directories (purelib, platlib), sorted."""
+    paths = sysconfig.get_paths()
+    return sorted({paths["purelib"], paths["platlib"]})
+
+
+def iter_documents(
+    source: str = "stdlib-docs",
+    stdlib_dir: Optional[str] = None,
+    site_dirs: Optional[Sequence[str]] = None,
+) -> Iterator[str]:
+    """Returns the corpus documents of one source choice in deterministic order.
 
     Args:
+        source: One of ``SOURCES``.
         stdlib_dir: Root of the standard library; defaults to
             ``sysconfig.get_paths()["stdlib"]``.
+        site_dirs: Installed-package directories read by ``stdlib+site-packages``;
+            defaults to ``site_packages_dirs()``.
 
-    Yields:
-        Document texts of at least ``MIN_DOC_CHARS`` characters, stripped.
+    Returns:
+        An iterator over the document texts, stripped, of at least ``MIN_DOC_CHARS``
+        characters, each text once.
+
+    Raises:
+        ValueError: On an unknown ``source``.
     """
+    if source not in SOURCES:
+        raise ValueError(f"unknown corpus source {source!r}, choose from {', '.join(SOURCES)}")
     root = stdlib_dir or sysconfig.get_paths()["stdlib"]
-    for rel_path in _source_files(root):
-        for doc in _file_documents(os.path.join(root, rel_path), rel_path):
-            doc = doc.strip()
-            if len(doc) >= MIN_DOC_CHARS:
-                yield doc
+    parts = [_prose_documents(root)]
+    if source != "stdlib-docs":
+        parts.append(_code_documents(root, _SKIP_DIRS))
+    if source == "stdlib+site-packages":
+        dirs = site_packages_dirs() if site_dirs is None else site_dirs
+        parts.extend(_code_documents(site, {"__pycache__"}) for site in dirs)
+    return _distinct(chain.from_iterable(parts))
 
 
-def build_stdlib_corpus(output_jsonl: str, max_docs: Optional[int] = None) -> int:
-    """Writes the standard-library corpus as JSON lines ``{"text": ...}``.
+def _distinct(documents: Iterator[str]) -> Iterator[str]:
+    """Yields the stripped documents of at least ``MIN_DOC_CHARS`` characters, each text once."""
+    seen: Set[bytes] = set()
+    for doc in documents:
+        doc = doc.strip()
+        if len(doc) < MIN_DOC_CHARS:
+            continue
+        digest = hashlib.sha256(doc.encode("utf-8")).digest()
+        if digest not in seen:
+            seen.add(digest)
+            yield doc
+
+
+def build_corpus(
+    output_jsonl: str,
+    source: str = "stdlib-docs",
+    max_docs: Optional[int] = None,
+    stdlib_dir: Optional[str] = None,
+    site_dirs: Optional[Sequence[str]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> int:
+    """Writes a corpus as JSON lines ``{"text": ...}`` (UTF-8, ``\\n`` line ends).
 
     The file is written under a temporary name in the same directory and renamed
     into place, so ``output_jsonl`` is either absent, the old file, or complete.
 
     Args:
         output_jsonl: Destination path; parent directories are created.
+        source: One of ``SOURCES``.
         max_docs: Stop after this many documents (all documents when None).
+        stdlib_dir: As for ``iter_documents``.
+        site_dirs: As for ``iter_documents``.
+        progress: Called after each document with the documents and bytes written so far.
 
     Returns:
         The number of documents written.
+
+    Raises:
+        ValueError: On an unknown ``source``.
     """
+    documents = iter_documents(source, stdlib_dir, site_dirs)
     out_dir = os.path.dirname(os.path.abspath(output_jsonl))
     os.makedirs(out_dir, exist_ok=True)
     tmp_path = f"{output_jsonl}.tmp{os.getpid()}"
-    count = 0
+    count = nbytes = 0
     try:
-        with open(tmp_path, "w", encoding="utf-8") as f:
-            for doc in islice(iter_stdlib_documents(), max_docs):
-                f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-                count += 1
+        with open(tmp_path, "wb") as f:
+            for doc in islice(documents, max_docs):
+                line = (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8")
+                f.write(line)
+                count, nbytes = count + 1, nbytes + len(line)
+                if progress is not None:
+                    progress(count, nbytes)
         os.replace(tmp_path, output_jsonl)
     finally:
         if os.path.exists(tmp_path):
