@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
 CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
+"""``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
 QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
 

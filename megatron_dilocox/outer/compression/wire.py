@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")  # order: the wire numbers
+from megatron_dilocox.config import CODECS  # their order gives the wire numbers: append, never reorder
 STAGES = ("dense", "P", "Q")
 MAGIC, VERSION = b"DLCX", 1
 _FIELDS = struct.Struct("<4sBBBBQIQQ")
