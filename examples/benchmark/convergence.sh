@@ -45,11 +45,17 @@ AR=(--method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4" --method "AllReduce lr 
 SYNC_FP32="sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
 case "$STUDY" in
   pilot)
+    OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
+    TOPK="--dilocox-compression topk --dilocox-topk-density 0.015625 --dilocox-ef-decay 0.95"
     METHODS=("${AR[@]}"
+      --method "old defaults=$DLX $OLD_DEFAULTS"
+      --method "eager topk 2b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1"
       --method "$SYNC_FP32"
+      --method "eager topk 4b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 4 $SGD1"
+      --method "eager fp32 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1"
+      --method "eager topk 2b Nesterov=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2"
       --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
-      --method "eager fp32=$DLX --dilocox-sync-mode eager --dilocox-compression none"
-      --method "delay fp32=$DLX --dilocox-sync-mode delay --dilocox-compression none"
+      --method "delay topk 2b SGD lr1=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1"
       --compare "sync fp32") ;;
   defaults)
     METHODS=("${AR[@]}" --method "DiLoCoX defaults=--dilocox" --method "$SYNC_FP32" --compare "sync fp32") ;;
