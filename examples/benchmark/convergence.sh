@@ -40,8 +40,9 @@ SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 
 DLX="--dilocox --dilocox-local-steps 10"
 SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
 AR=(--method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4" --method "AllReduce lr 2e-3="
-    --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
-    --baseline "AllReduce lr 1e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3")
+    --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
+    --baseline "AllReduce lr 1e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3"
+    --baseline "AllReduce lr 8e-3")
 SYNC_FP32="sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
 case "$STUDY" in
   pilot)
@@ -51,11 +52,11 @@ case "$STUDY" in
       --method "old defaults=$DLX $OLD_DEFAULTS"
       --method "eager topk 2b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1"
       --method "$SYNC_FP32"
-      --method "eager topk 4b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 4 $SGD1"
+      --method "eager topk 2b SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --lr 4e-3 --min-lr 4e-4"
       --method "eager fp32 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1"
+      --method "eager topk 4b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 4 $SGD1"
       --method "eager topk 2b Nesterov=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2"
       --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
-      --method "delay topk 2b SGD lr1=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1"
       --compare "sync fp32") ;;
   defaults)
     METHODS=("${AR[@]}" --method "DiLoCoX defaults=--dilocox" --method "$SYNC_FP32" --compare "sync fp32") ;;
