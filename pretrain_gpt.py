@@ -8,6 +8,7 @@ data-parallel ranks every step. Run ``python pretrain_gpt.py --help`` for every 
 """
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ import time
 from megatron_dilocox.arguments import ConfigError, missing_dependency, parse_args
 
 PROG = "pretrain_gpt.py"
+_MAIN_PID = os.getpid()
 
 
 def _is_rank0() -> bool:
@@ -43,6 +45,10 @@ def _error(message: str) -> int:
 
 def _interrupted(args) -> int:
     """One line from rank 0 on Ctrl-C: what was kept."""
+    # A save in flight is not published, and its writer processes would keep the interpreter from
+    # exiting (it joins them; they wait for someone to read their results).
+    for child in multiprocessing.active_children():
+        child.terminate()
     if _is_rank0():
         if not args.save:
             kept = "nothing kept (no --save)"
@@ -58,6 +64,8 @@ def _interrupted(args) -> int:
 
 
 def _stop_on_first_sigint(signum, frame):
+    if os.getpid() != _MAIN_PID:  # a forked checkpoint writer: its parent stops it
+        return
     # The terminal's Ctrl-C reaches every rank, then torchrun forwards it once more: ignore the
     # second, which would otherwise interrupt the first one's unwinding mid-traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -99,7 +99,7 @@ def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tiny_dataset, tmp
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=300)  # exiting tears down torch: seconds, more under load
     assert proc.returncode == 128 + signal.SIGINT, stderr
     lines = [line for line in stderr.splitlines() if not line.startswith("WARNING:")]
     assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
