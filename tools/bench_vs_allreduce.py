@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import launch  # noqa: E402
 import netns  # noqa: E402
 from compare_runs import summarize  # noqa: E402
+from pretrain_flags import flag_value  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DILOCOX = ["--dilocox"]
@@ -91,15 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, item in enumerate(argv):
-        if item == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if item.startswith(flag + "="):
-            return item.split("=", 1)[1]
-    return None
-
-
 def _with_flag(argv: list[str], flag: str, value) -> list[str]:
     """``argv`` with ``flag``'s value replaced."""
     out = list(argv)
@@ -118,7 +110,7 @@ def check_args(parser, args) -> dict:
             parser.error(f"{item.split('=')[0]} is set by the harness; use its own flags (see --help)")
     values = {}
     for flag in NEEDED:
-        value = _flag_value(pretrain, flag)
+        value = flag_value(pretrain, flag)
         if value is None or not value.isdigit() or int(value) < 1:
             parser.error(f"the pretrain flags must contain {flag} N (a positive integer)")
         if f"{flag}=" in " ".join(pretrain):
@@ -169,7 +161,7 @@ class Bench:
     def _flags(self, method: str, iters: int, metrics: Path, evaluate: bool) -> list[str]:
         a = self.args
         flags = _with_flag(self.cfg["pretrain"], "--train-iters", iters)
-        if iters != self.cfg["iters"] and _flag_value(flags, "--lr-decay-iters") is None:
+        if iters != self.cfg["iters"] and flag_value(flags, "--lr-decay-iters") is None:
             flags += ["--lr-decay-iters", str(self.cfg["iters"])]  # a short run keeps the full run's schedule
         flags += ["--seed", str(a.seed), "--log-interval", "1", "--metrics-file", str(metrics),
                   "--eval-interval", str(a.eval_interval if evaluate else iters),

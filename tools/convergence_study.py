@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compare_runs import read_records  # noqa: E402
+from pretrain_flags import flag_value  # noqa: E402
 from wan import launch  # noqa: E402  (tools/wan/launch.py: runs commands, stops them all on error or Ctrl-C)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,15 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     p.add_argument("pretrain", nargs=argparse.REMAINDER, help="-- then pretrain_gpt.py flags shared by all methods")
     return p
-
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, item in enumerate(argv):
-        if item == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if item.startswith(flag + "="):
-            return item.split("=", 1)[1]
-    return None
 
 
 def _slug(name: str) -> str:
@@ -117,7 +109,7 @@ def check_args(parser, args) -> dict:
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}")
     for flag in ("--train-iters", "--global-batch-size", "--seq-length"):
-        value = _flag_value(pretrain, flag)
+        value = flag_value(pretrain, flag)
         if value is None or not value.isdigit():
             parser.error(f"the pretrain flags must contain {flag} N")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)

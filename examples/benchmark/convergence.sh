@@ -52,10 +52,10 @@ case "$STUDY" in
       --method "old defaults=$DLX $OLD_DEFAULTS"
       --method "eager topk 2b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1"
       --method "$SYNC_FP32"
-      --method "eager topk 2b SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --lr 4e-3 --min-lr 4e-4"
       --method "eager fp32 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1"
-      --method "eager topk 4b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 4 $SGD1"
-      --method "eager topk 2b Nesterov=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2"
+      --method "eager topk 2b EF1 SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 --dilocox-ef-decay 1.0 $SGD1"
+      --method "eager lowrank r4 4b EF1 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression lowrank-quantize --dilocox-rank 4 --dilocox-quant-bits 4 --dilocox-error-feedback $SGD1"
+      --method "eager topk 2b SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --lr 4e-3 --min-lr 4e-4"
       --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
       --compare "sync fp32") ;;
   defaults)
