@@ -60,7 +60,8 @@ class DiLoCoXConfig:
     """Momentum of the outer SGD, in [0, 1). ``--dilocox-outer-momentum``."""
 
     nesterov: bool = True
-    """Use Nesterov momentum in the outer SGD; ``--dilocox-no-nesterov`` turns it off."""
+    """Use Nesterov momentum in the outer SGD when ``outer_momentum`` > 0 (with 0 the outer step
+    is plain SGD either way); ``--dilocox-no-nesterov`` turns it off."""
 
     offload_outer_state: bool = False
     """Keep the outer state (fp32 base, round start, momentum, the in-flight result; with
@@ -71,6 +72,11 @@ class DiLoCoXConfig:
     outer_timeout_s: float = 3600.0
     """Seconds a round boundary waits for the cross-cluster reduction before failing
     (a dead peer cluster must not hang training forever). ``--dilocox-outer-timeout-s``."""
+
+    @property
+    def use_nesterov(self) -> bool:
+        """Whether the outer step is Nesterov (it needs momentum)."""
+        return self.nesterov and self.outer_momentum > 0
 
     def validate(self) -> None:
         """Checks the settings.
@@ -101,11 +107,6 @@ class DiLoCoXConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(
                 f"--dilocox-outer-momentum must be in [0, 1), got {self.outer_momentum}"
-            )
-        if self.nesterov and self.outer_momentum == 0:
-            raise ValueError(
-                "Nesterov needs --dilocox-outer-momentum > 0; "
-                "pass --dilocox-no-nesterov for plain outer SGD"
             )
         if not self.outer_timeout_s > 0:
             raise ValueError(

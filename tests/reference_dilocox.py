@@ -57,7 +57,7 @@ def run(spec, out):
     tied = not args.untie_embeddings_and_output_weights
     torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.init.pt")
     params = [main_params(r.optimizer) for r in replicas]
-    ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.nesterov)
+    ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov)
     for iteration in range(1, args.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)

@@ -85,7 +85,6 @@ def test_config_defaults_are_valid():
         ({"outer_lr": float("nan")}, "--dilocox-outer-lr must be > 0"),
         ({"outer_momentum": 1.0}, r"--dilocox-outer-momentum must be in \[0, 1\)"),
         ({"outer_momentum": -0.1}, r"--dilocox-outer-momentum must be in \[0, 1\)"),
-        ({"outer_momentum": 0.0}, "--dilocox-no-nesterov"),
         ({"outer_timeout_s": 0.0}, "--dilocox-outer-timeout-s must be > 0"),
     ],
 )
@@ -96,4 +95,9 @@ def test_config_validation_names_the_flag(kwargs, message):
 
 
 def test_plain_sgd_config_is_valid():
-    DiLoCoXConfig(outer_momentum=0.0, nesterov=False).validate()
+    for nesterov in (True, False):  # without momentum the outer step is plain SGD either way
+        cfg = DiLoCoXConfig(outer_momentum=0.0, nesterov=nesterov)
+        cfg.validate()
+        assert not cfg.use_nesterov
+    assert DiLoCoXConfig(outer_momentum=0.5).use_nesterov
+    assert not DiLoCoXConfig(outer_momentum=0.5, nesterov=False).use_nesterov

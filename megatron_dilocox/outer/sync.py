@@ -204,7 +204,7 @@ class OuterSync:
         self._carry = {"delay": 1.0, "eager": 1.0 / config.clusters}.get(config.sync_mode)
         self.round_start = self._state_tensor(self.base, copy=True) if self._carry else self.base
         self.optimizer = OuterNesterov(
-            [self.base], config.outer_lr, config.outer_momentum, config.nesterov
+            [self.base], config.outer_lr, config.outer_momentum, config.use_nesterov
         )
         self.outer_step = 0
         self._iteration = 0
@@ -310,7 +310,7 @@ class OuterSync:
         if not finite:
             return self.base
         base = self.base.clone()
-        preview = OuterNesterov([base], self.config.outer_lr, self.config.outer_momentum, self.config.nesterov)
+        preview = OuterNesterov([base], self.config.outer_lr, self.config.outer_momentum, self.config.use_nesterov)
         preview.load_state_dict(self.optimizer.state_dict())  # copies the momentum buffers
         preview.step([result.grad])
         return base
