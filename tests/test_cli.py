@@ -85,7 +85,7 @@ def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tiny_dataset, tmp
     """Ctrl-C reaches a rank twice under torchrun (the terminal's, then torchrun's forwarded one)."""
     save = tmp_path / "ckpt"
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
         [sys.executable, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "100000", "--lr", "1e-3",
@@ -99,7 +99,11 @@ def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tiny_dataset, tmp
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=300)  # exiting tears down torch: seconds, more under load
+    try:
+        _, stderr = proc.communicate(timeout=300)  # exiting tears down torch: seconds, more under load
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints where it hangs
+        pytest.fail(f"no exit within 300 s of Ctrl-C:\n{proc.communicate()[1][-8000:]}")
     assert proc.returncode == 128 + signal.SIGINT, stderr
     lines = [line for line in stderr.splitlines() if not line.startswith("WARNING:")]
     assert len(lines) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
