@@ -67,14 +67,14 @@ def setup(args):
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if args.save:
-        lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     init_distributed(backend, args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
     staged = args.dilocox_offload_outer_state and torch.cuda.is_available()
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox,
                           args.dilocox_outer_timeout_s, outer_backend="gloo" if staged else None)
+    if args.save:
+        lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
