@@ -35,7 +35,7 @@ def assert_one_line_error(proc, *needles):
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--no-overlap-p2p-communication", "--num-layers", "4"], ["--num-layers-per-virtual-pipeline-stage", "batched p2p"]),
     (["--dilocox", "--dilocox-local-steps", "0"], ["--dilocox-local-steps"]),
-    (["--dilocox", "--dilocox-outer-momentum", "0"], ["--dilocox-outer-momentum"]),
+    (["--dilocox", "--dilocox-outer-momentum", "1"], ["--dilocox-outer-momentum"]),
     (["--dilocox", "--dilocox-rank", "4", "--dilocox-min-rank", "6"], ["--dilocox-min-rank", "--dilocox-rank"]),
     (["--dilocox", "--dilocox-rank-energy", "1.5"], ["--dilocox-rank-energy"]),
     (["--sequence-parallel"], ["--sequence-parallel"]),
