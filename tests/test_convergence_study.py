@@ -123,6 +123,9 @@ def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
     argv = ["--out", str(tmp_path / "s"), "--seeds", "1", "--method", "AllReduce=",
             "--method", "DiLoCoX=--dilocox --dilocox-local-steps 3", "--baseline", "AllReduce", "--",
             *PRETRAIN, *_data(tiny_dataset, tmp_path)]
+    cut = argv.index("--")
+    assert cs.main([*argv[:cut], "--report", *argv[cut:]]) == 0  # nothing finished yet, nothing is run
+    assert json.loads((tmp_path / "s" / "results.json").read_text())["methods"] == {}
     assert cs.main(argv) == 0
     results = json.loads((tmp_path / "s" / "results.json").read_text())
     assert (tmp_path / "s" / "curves.png").stat().st_size > 0

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS per process (default: CPU cores // --nproc, at least 1)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    p.add_argument("--report", action="store_true",
+                   help="write results.json, curves.png and the table from the runs finished so far; run nothing")
     p.add_argument("pretrain", nargs=argparse.REMAINDER, help="-- then pretrain_gpt.py flags shared by all methods")
     return p
 
@@ -382,7 +384,7 @@ def main(argv=None) -> int:
             print(f"{method}: {' '.join(study.flags(method, cfg['seeds'][0]))}")
         return 0
     index = sum(1 for m in cfg["methods"] for s in cfg["seeds"] if study.done(m, s))
-    while todo := study.pending():  # re-planned after every run: the best baseline may change
+    while not args.report and (todo := study.pending()):  # re-planned after every run: the best baseline may change
         index += 1
         study.run(*todo[0], index)
     results = summarize(study)

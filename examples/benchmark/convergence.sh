@@ -63,5 +63,6 @@ case "$STUDY" in
   *) echo "STUDY must be pilot or defaults, got $STUDY" >&2; exit 2 ;;
 esac
 
-python tools/convergence_study.py --out "$OUT" --seeds "$SEEDS" --nproc "$CLUSTERS" "${METHODS[@]}" \
+# Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
+python tools/convergence_study.py --out "$OUT" --seeds "$SEEDS" --nproc "$CLUSTERS" "${METHODS[@]}" "$@" \
   -- "${SETTING[@]}"
