@@ -177,12 +177,12 @@ def _dilocox_args(parser):
                    help="Adapt H after every round (within these bounds) so that one round's exchange fits "
                         "inside the next round's compute; H starts at --dilocox-local-steps.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
-                   help="delay: one-step-delay overlap, keep the fresh local progress (default); eager: "
-                        "one-step-delay overlap, keep 1/C of it (the replica's share of the coming average); "
+                   help="eager: one-step-delay overlap, keep 1/C of the fresh local progress (the replica's "
+                        "share of the coming average); delay: the same overlap, keep all of it; "
                         "sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).")
     g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
     g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
-                   help="Outer SGD momentum.")
+                   help="Outer SGD momentum (0: plain SGD; Nesterov when > 0 unless --dilocox-no-nesterov).")
     g.add_argument("--dilocox-no-nesterov", action="store_false", dest="dilocox_nesterov",
                    help="Plain momentum instead of Nesterov in the outer SGD.")
     g.add_argument("--dilocox-offload-outer-state", action="store_true",
@@ -196,7 +196,7 @@ def _dilocox_args(parser):
                         "and/or blockwise absmax quantization; topk: each chunk's largest entries, low-bit "
                         "(SparseLoCo-style).")
     g.add_argument("--dilocox-quant-bits", type=int, choices=(8, 4, 3, 2), default=None,
-                   help="Bits per quantized value: 8 or 4 (default 8); topk: 2, 3 or 4 (default 4).")
+                   help="Bits per quantized value: 8 or 4 (default 8); topk: 2, 3 or 4 (default 2).")
     g.add_argument("--dilocox-quant-block", type=int, default=comp.block, help="Values per quantization scale.")
     g.add_argument("--dilocox-rank", type=int, default=comp.rank, help="Low-rank rank (upper bound when adaptive).")
     g.add_argument("--dilocox-min-rank", type=int, default=comp.min_rank, help="Lower bound of the adaptive rank.")

@@ -12,8 +12,8 @@ QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 
 
 def default_bits(codec: str) -> int:
-    """``--dilocox-quant-bits`` when not given: 8 (4 for ``topk``, see :class:`CompressionConfig`)."""
-    return 4 if codec == "topk" else 8
+    """``--dilocox-quant-bits`` when not given: 8 (2 for ``topk``, see :class:`CompressionConfig`)."""
+    return 2 if codec == "topk" else 8
 
 
 def default_error_feedback(codec: str) -> bool:
@@ -41,23 +41,26 @@ class DiLoCoXConfig:
     the fewest steps whose compute covers the slowest measured exchange (with 20% margin), so one
     round's communication hides inside the next round's training. ``--dilocox-max-local-steps``."""
 
-    sync_mode: str = "delay"
+    sync_mode: str = "eager"
     """Overlap policy at a round boundary. ``--dilocox-sync-mode``.
 
     ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
     ``delay``: one-step-delay overlap; apply the previous round's average and keep the
-    replica's own fresh progress (the default).
-    ``eager``: as ``delay``, but keep only the replica's 1/C share of its fresh progress (the
-    part of the coming average it already knows); closer to sync's loss in the benchmarks.
+    replica's own fresh progress.
+    ``eager`` (the default): as ``delay``, but keep only the replica's 1/C share of its fresh
+    progress (the part of the coming average it already knows); below ``delay`` in every
+    measurement (docs/benchmarks.md, docs/convergence.md).
     ``delay-naive``: ablation of ``delay`` that drops the fresh progress; unstable with the
     default outer settings, never use it for real runs.
     """
 
-    outer_lr: float = 0.7
-    """Learning rate of the outer SGD. ``--dilocox-outer-lr``."""
+    outer_lr: float = 1.0
+    """Learning rate of the outer SGD. ``--dilocox-outer-lr``. 1.0 without momentum (the mean of
+    the replicas' progress, applied as it is) by measurement: DiLoCo's Nesterov 0.7 / 0.9 stalled
+    at H=10 (docs/convergence.md), as it did in the slow-link tuning (docs/benchmarks.md)."""
 
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD, in [0, 1). ``--dilocox-outer-momentum``."""
+    outer_momentum: float = 0.0
+    """Momentum of the outer SGD, in [0, 1); 0 is plain SGD. ``--dilocox-outer-momentum``."""
 
     nesterov: bool = True
     """Use Nesterov momentum in the outer SGD when ``outer_momentum`` > 0 (with 0 the outer step
@@ -118,15 +121,17 @@ class DiLoCoXConfig:
 class CompressionConfig:
     """How the pseudo-gradient is compressed for the cross-cluster exchange (``--dilocox-*``)."""
 
-    codec: str = "lowrank-quantize"
-    """``none``, ``quantize``, ``lowrank``, ``lowrank-quantize`` or ``topk``. ``--dilocox-compression``."""
+    codec: str = "topk"
+    """``none``, ``quantize``, ``lowrank``, ``lowrank-quantize`` or ``topk``. ``--dilocox-compression``.
+    ``topk`` by measurement: the lowest loss of the codecs sending at least 100x fewer bytes per round
+    than dense fp32 (rank-8 8-bit low rank without error feedback stalled; docs/convergence.md)."""
 
     bits: int | None = None
     """Bits per quantized value, 8 or 4; ``topk``: 2, 3 or 4. ``--dilocox-quant-bits``. None: 8
-    (4 for ``topk``). 8 by measurement: rank 8 with 8-bit factors sent 96x fewer bytes than fp32
-    at +0.8% loss, 4-bit 189x at +2% (docs/compression.md). ``topk``'s 4: its indices outweigh its
-    values (12 bits each in chunks of 4096), so 4-bit values cost 14% more bytes than 2-bit ones
-    for a grid four times finer; SparseLoCo trains with 2."""
+    (2 for ``topk``). 8: rank 8 with 8-bit factors sent 96x fewer bytes than fp32 at +0.8% loss,
+    4-bit 189x at +2% (docs/compression.md). ``topk``'s 2 (as SparseLoCo's): 141x fewer bytes than
+    fp32 at density 1/64; its indices (12 bits each in chunks of 4096) outweigh the values, so 4-bit
+    values would send 124x."""
 
     block: int = 256
     """Values per quantization block (one fp32 absmax scale each). ``--dilocox-quant-block``."""
@@ -150,9 +155,10 @@ class CompressionConfig:
     the others by measurement: with outer momentum the residual grew to 3x the pseudo-gradient and
     bought no loss (docs/compression.md)."""
 
-    ef_decay: float = 1.0
-    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``
-    (SparseLoCo uses 0.95)."""
+    ef_decay: float = 0.95
+    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``. 0.95 (as
+    SparseLoCo's): with ``topk`` it ended at the loss of 1.0 (docs/convergence.md) while keeping
+    the residual bounded (about 8x the pseudo-gradient instead of growing past 30x)."""
 
     topk_density: float = 1 / 64
     """``topk``: fraction of each chunk's entries sent, in (0, 1]. ``--dilocox-topk-density``."""

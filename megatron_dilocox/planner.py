@@ -79,7 +79,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_dilocox.config import default_bits, default_error_feedback
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig, default_bits, default_error_feedback
 from megatron_dilocox.outer.compression import topk
 from megatron_dilocox.outer.compression.lowrank import saves_bytes
 from megatron_dilocox.outer.compression.quantize import nbytes
@@ -254,16 +254,18 @@ class Layout:
 
 @dataclass
 class DiLoCoXSettings:
-    clusters: int = 2
-    local_steps: int = 20
-    compression: str = "lowrank-quantize"
+    """The ``--dilocox-*`` settings the plan depends on; defaults are pretrain_gpt.py's."""
+
+    clusters: int = DiLoCoXConfig.clusters
+    local_steps: int = DiLoCoXConfig.local_steps
+    compression: str = CompressionConfig.codec
     quant_bits: int | None = None
-    """None: the codec's default (8; 4 for topk)."""
-    rank: int = 8
-    block: int = 256
-    topk_density: float = 1 / 64
-    topk_chunk: int = 4096
-    sync_mode: str = "delay"
+    """None: the codec's default (:func:`~megatron_dilocox.config.default_bits`)."""
+    rank: int = CompressionConfig.rank
+    block: int = CompressionConfig.block
+    topk_density: float = CompressionConfig.topk_density
+    topk_chunk: int = CompressionConfig.topk_chunk
+    sync_mode: str = DiLoCoXConfig.sync_mode
     error_feedback: bool | None = None
     """None: the codec's default (on for topk only)."""
     offload_outer_state: bool = False

@@ -556,14 +556,15 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 def test_topk_flags_defaults_and_one_line_errors():
     comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk"]))
-    assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (4, True, 1 / 64, 4096)
+    assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (2, True, 1 / 64, 4096)
     comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk", "--no-dilocox-error-feedback",
-                                                  "--dilocox-quant-bits", "2"]))
-    assert (comp.bits, comp.error_feedback) == (2, False)
+                                                  "--dilocox-quant-bits", "4"]))
+    assert (comp.bits, comp.error_feedback) == (4, False)
     comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "quantize"]))
     assert (comp.bits, comp.error_feedback) == (8, False)
     for extra, needle in [(["--dilocox-compression", "topk", "--dilocox-quant-bits", "8"], "--dilocox-quant-bits"),
-                          (["--dilocox-quant-bits", "2"], "--dilocox-quant-bits must be 8, 4 with"),
+                          (["--dilocox-compression", "quantize", "--dilocox-quant-bits", "2"],
+                           "--dilocox-quant-bits must be 8, 4 with"),
                           (["--dilocox-compression", "topk", "--dilocox-topk-density", "0"], "--dilocox-topk-density"),
                           (["--dilocox-compression", "topk", "--dilocox-topk-chunk", "1"], "--dilocox-topk-chunk")]:
         with pytest.raises(ConfigError, match=needle):

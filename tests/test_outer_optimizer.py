@@ -71,8 +71,8 @@ def test_optimizer_rejects_bad_input():
 def test_config_defaults_are_valid():
     cfg = DiLoCoXConfig()
     cfg.validate()
-    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode) == (2, 20, "delay")
-    assert (cfg.outer_lr, cfg.outer_momentum, cfg.nesterov) == (0.7, 0.9, True)
+    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode) == (2, 20, "eager")
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov) == (1.0, 0.0, False)
 
 
 @pytest.mark.parametrize(

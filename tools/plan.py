@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dilocox.arguments import missing_dependency  # noqa: E402
-from megatron_dilocox.config import CODECS, SYNC_MODES  # noqa: E402
+from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig  # noqa: E402
 
 PAPER_RATIO = 357.0
 """DiLoCoX paper (arXiv 2506.21263): 107B over 1 Gbps, 357x faster than vanilla AllReduce."""
@@ -127,12 +127,14 @@ DEFAULTS = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, micro_batch_size=1,
     position_embedding_type="learned_absolute", normalization="LayerNorm", make_vocab_size_divisible_by=128,
     swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
-    use_distributed_optimizer=False, bf16=False, dilocox_clusters=2, dilocox_local_steps=20,
-    dilocox_compression="lowrank-quantize", dilocox_quant_bits=None, dilocox_quant_block=256, dilocox_rank=8,
-    dilocox_topk_density=1 / 64, dilocox_topk_chunk=4096,
-    dilocox_sync_mode="delay", dilocox_offload_outer_state=False, gpu_memory_gib=80.0, gpu_tflops=400.0,
-    intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0, inter_bandwidth_gbps=1.0, inter_link="shared",
-    dilocox_error_feedback=None, cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
+    use_distributed_optimizer=False, bf16=False,
+    dilocox_clusters=DiLoCoXConfig.clusters, dilocox_local_steps=DiLoCoXConfig.local_steps,
+    dilocox_sync_mode=DiLoCoXConfig.sync_mode, dilocox_compression=CompressionConfig.codec,
+    dilocox_quant_bits=None, dilocox_quant_block=CompressionConfig.block, dilocox_rank=CompressionConfig.rank,
+    dilocox_topk_density=CompressionConfig.topk_density, dilocox_topk_chunk=CompressionConfig.topk_chunk,
+    dilocox_error_feedback=None, dilocox_offload_outer_state=False,
+    gpu_memory_gib=80.0, gpu_tflops=400.0, intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0,
+    inter_bandwidth_gbps=1.0, inter_link="shared", cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
 )
 LAUNCH_KEYS = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
