@@ -52,7 +52,8 @@ def _study(tmp_path, methods, baselines, seeds=(1, 2, 3), compare=None):
     if compare:
         argv += ["--compare", compare]
     parser = cs.build_parser()
-    args = parser.parse_args([*argv, "--", *PRETRAIN])
+    args = parser.parse_args([*argv, "--", *PRETRAIN, "--mock-data", "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", "64"])
     cfg = cs.check_args(parser, args)
     cfg["facts"] = {"train_tokens": 6144, "train_iters": 12}
     return cs.Study(args, cfg)
@@ -63,6 +64,7 @@ def _finish(study, method, seed, loss, nbytes=1000):
     folder = study.folder(method, seed)
     folder.mkdir(parents=True, exist_ok=True)
     summary = dict(method=method, seed=seed, flags=study.flags(method, seed), nproc=study.args.nproc,
+                   settings=study.settings(method, seed),
                    val_loss=loss, val_loss_se=0.01, cross_cluster_bytes=nbytes, bytes_per_round=None,
                    dense_bytes_per_round=None, rounds=0, train_s=1.0, curve=[])
     (folder / "done.json").write_text(json.dumps(summary))
@@ -86,6 +88,13 @@ def test_run_order_best_baseline_and_resume(tmp_path):
     changed = _study(tmp_path, {**methods, "DLX": "--dilocox --dilocox-local-steps 5"}, ["AR lr1", "AR lr2"])
     with pytest.raises(SystemExit, match="was run with other flags"):
         changed.pending()
+    # So is one whose flags are the same but whose defaults have changed since it ran.
+    path = study.folder("DLX", 1) / "done.json"
+    summary = json.loads(path.read_text())
+    summary["settings"]["dilocox_outer_lr"] = 0.5
+    path.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="other settings of dilocox_outer_lr"):
+        _study(tmp_path, methods, ["AR lr1", "AR lr2"]).pending()
 
 
 def test_summary_gaps_and_spread(tmp_path):

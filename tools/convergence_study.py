@@ -165,6 +165,7 @@ class Study:
         self.args, self.cfg = args, cfg
         self.out = Path(args.out)
         self.runs_dir = self.out / "runs"
+        self._settings: dict[tuple[str, int], dict] = {}
 
     def folder(self, method: str, seed: int) -> Path:
         return self.runs_dir / _slug(method) / f"seed{seed}"
@@ -174,8 +175,18 @@ class Study:
         return [*self.cfg["pretrain"], *self.cfg["methods"][method], "--seed", str(seed), "--full-validation",
                 "--metrics-file", str(self.folder(method, seed) / "metrics.jsonl")]
 
+    def settings(self, method: str, seed: int) -> dict:
+        """Every pretrain_gpt.py setting of the run, defaults resolved, as the run itself parses them."""
+        if (method, seed) not in self._settings:
+            from megatron_dilocox.arguments import parse_args
+
+            resolved = vars(parse_args(self.flags(method, seed)))
+            self._settings[method, seed] = json.loads(json.dumps(resolved, default=str))
+        return self._settings[method, seed]
+
     def done(self, method: str, seed: int) -> dict | None:
-        """The finished run's summary, or None; refuses a finished run made with other flags."""
+        """The finished run's summary, or None; refuses a finished run made with other flags or
+        other defaults (a default that changed since would silently change what a method means)."""
         path = self.folder(method, seed) / "done.json"
         if not path.is_file():
             return None
@@ -183,6 +194,11 @@ class Study:
         if (summary["flags"], summary["nproc"]) != (self.flags(method, seed), self.args.nproc):
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other flags; "
                              "use another --out or remove that folder")
+        recorded = summary.get("settings")  # absent in runs recorded before settings were
+        changed = sorted(k for k, v in self.settings(method, seed).items() if recorded and recorded.get(k) != v)
+        if changed:
+            raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other settings of "
+                             f"{', '.join(changed)} (changed defaults?); use another --out or remove that folder")
         return summary
 
     def total(self) -> int:
@@ -238,7 +254,7 @@ class Study:
             raise SystemExit(f"convergence_study.py: error: {label} failed: {err}") from None
         summary = summarize_run(folder / "metrics.jsonl")
         summary.update(method=method, seed=seed, flags=self.flags(method, seed), nproc=self.args.nproc,
-                       run_s=time.monotonic() - start)
+                       settings=self.settings(method, seed), run_s=time.monotonic() - start)
         tmp = folder / "done.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, folder / "done.json")

@@ -43,7 +43,7 @@ AR=(--method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4" --method "AllReduce lr 
     --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
     --baseline "AllReduce lr 1e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3"
     --baseline "AllReduce lr 8e-3")
-SYNC_FP32="sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
+SYNC_FP32="sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"   # the default outer SGD
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -51,15 +51,15 @@ case "$STUDY" in
     METHODS=("${AR[@]}"
       --method "old defaults=$DLX $OLD_DEFAULTS"
       --method "eager topk 2b SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1"
-      --method "$SYNC_FP32"
+      --method "sync fp32 Nesterov=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
       --method "eager fp32 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1"
       --method "eager topk 2b EF1 SGD lr1=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 --dilocox-ef-decay 1.0 $SGD1"
-      --method "eager lowrank r4 4b EF1 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression lowrank-quantize --dilocox-rank 4 --dilocox-quant-bits 4 --dilocox-error-feedback $SGD1"
+      --method "eager lowrank r4 4b EF1 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression lowrank-quantize --dilocox-rank 4 --dilocox-quant-bits 4 --dilocox-error-feedback --dilocox-ef-decay 1.0 $SGD1"
       --method "eager topk 2b SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --lr 4e-3 --min-lr 4e-4"
       --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
-      --compare "sync fp32") ;;
+      --compare "sync fp32 SGD lr1") ;;
   defaults)
-    METHODS=("${AR[@]}" --method "DiLoCoX defaults=--dilocox" --method "$SYNC_FP32" --compare "sync fp32") ;;
+    METHODS=("${AR[@]}" --method "DiLoCoX defaults=$DLX" --method "$SYNC_FP32" --compare "sync fp32") ;;
   *) echo "STUDY must be pilot or defaults, got $STUDY" >&2; exit 2 ;;
 esac
 
