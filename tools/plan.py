@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dilocox-clusters", type=int, help="Clusters joined by the slow link.")
     g.add_argument("--dilocox-local-steps", type=int, help="H: inner steps per outer round.")
     g.add_argument("--dilocox-compression", choices=CODECS, help="Pseudo-gradient codec.")
-    g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4, 3, 2], help="Default 8 (topk: 4).")
+    g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4, 3, 2], help="Default 8 (topk: 2).")
     g.add_argument("--dilocox-quant-block", type=int, help="Values per quantization scale.")
     g.add_argument("--dilocox-topk-density", type=float, help="topk: fraction of each chunk's entries sent.")
     g.add_argument("--dilocox-topk-chunk", type=int, help="topk: elements per chunk.")
