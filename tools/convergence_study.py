@@ -323,7 +323,8 @@ def summarize(study: Study) -> dict:
             if ref in rows:
                 r = rows[ref]
                 row[key] = row["val_loss"] / r["val_loss"] - 1
-                row[key + "_exceeds_spread"] = abs(row["val_loss"] - r["val_loss"]) > max(row["std"], r["std"])
+                if min(len(row["seeds"]), len(r["seeds"])) > 1:  # a spread needs two seeds
+                    row[key + "_exceeds_spread"] = abs(row["val_loss"] - r["val_loss"]) > max(row["std"], r["std"])
         if base in rows and rows[base]["cross_cluster_bytes"] and row["cross_cluster_bytes"]:
             row["bytes_vs_baseline"] = rows[base]["cross_cluster_bytes"] / row["cross_cluster_bytes"]
     return dict(baseline=base, compare=study.args.compare, setting=study.cfg["facts"],
@@ -336,21 +337,23 @@ def print_table(results: dict) -> None:
           + (f" ({facts['tokens_per_parameter']:.1f} per parameter)" if "tokens_per_parameter" in facts else "")
           + f"; baseline: {results['baseline']}")
     compare = results["compare"]
-    header = (f"{'method':<28} {'n':>2} {'val loss':>8} {'std':>6} {'se':>6} {'vs base':>8} {'>spread':>7}"
-              + (f" {'vs ' + compare[:10]:>13}" if compare else "")
+    width = max([len("method"), *map(len, results["methods"])])
+    header = (f"{'method':<{width}} {'n':>2} {'val loss':>8} {'std':>6} {'se':>6} {'vs base':>8} {'>spread':>7}"
+              + (f" {'vs ' + compare:>{len(compare) + 4}}" if compare else "")
               + f" {'B/round':>11} {'fp32/round':>10} {'MiB/rank':>9} {'bytes vs base':>13}")
     print(header)
     print("-" * len(header))
     for name, r in results["methods"].items():
         gap = f"{r['gap'] * 100:+7.2f}%" if "gap" in r else f"{'n/a':>8}"
-        exceeds = ("yes" if r.get("gap_exceeds_spread") else "no") if "gap" in r else ""
+        exceeds = {True: "yes", False: "no", None: "-"}[r.get("gap_exceeds_spread")]
         cmp = ""
         if compare:
-            cmp = f" {r['gap_compare'] * 100:+12.2f}%" if "gap_compare" in r else f" {'n/a':>13}"
+            w = len(compare) + 3
+            cmp = f" {r['gap_compare'] * 100:+{w}.2f}%" if "gap_compare" in r else f" {'n/a':>{w + 1}}"
         per_round = f"{r['bytes_per_round']:,.0f}" if r["bytes_per_round"] else "-"
         ratio = (f"{r['dense_bytes_per_round'] / r['bytes_per_round']:.0f}x" if r["bytes_per_round"] else "-")
         vs = f"1/{r['bytes_vs_baseline']:,.0f}" if r.get("bytes_vs_baseline") else "-"
-        print(f"{name[:28]:<28} {len(r['seeds']):>2} {r['val_loss']:>8.4f} {r['std']:>6.4f} {r['val_loss_se']:>6.4f}"
+        print(f"{name:<{width}} {len(r['seeds']):>2} {r['val_loss']:>8.4f} {r['std']:>6.4f} {r['val_loss_se']:>6.4f}"
               f" {gap} {exceeds:>7}{cmp} {per_round:>11} {ratio:>10} {r['cross_cluster_bytes'] / 2**20:>9.1f} {vs:>13}")
     print("std: over seeds; se: standard error of the validation set; >spread: |gap| above the larger std; "
           "fp32/round: dense fp32 pseudo-gradient bytes over the bytes sent")
@@ -363,6 +366,8 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax in (a, b):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # distinct colours for up to 20 methods
     for name, r in results["methods"].items():
         curves = [run["curve"] for run in r["runs"]]
         n = min(len(c) for c in curves)
