@@ -50,13 +50,17 @@ def digest(tensors):
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
+# Outer Nesterov with momentum (not the plain-SGD default), so the comparisons cover the momentum path.
+OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+
+
 def config(mode, clusters=2, **kwargs):
-    return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **kwargs)
+    return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **kwargs})
 
 
 def run_reference(mode, clusters=2, rounds=ROUNDS):
     replicas = [toy_init() for _ in range(clusters)]
-    ref = ReferenceDiLoCo(replicas[0], clusters, mode)
+    ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"])
     base_digests = []
     for _ in range(rounds):
         for k in range(clusters):

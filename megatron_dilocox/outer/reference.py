@@ -19,7 +19,7 @@ class ReferenceDiLoCo:
         lr, momentum, nesterov: outer SGD settings.
     """
 
-    def __init__(self, init, clusters, mode="delay", lr=0.7, momentum=0.9, nesterov=True):
+    def __init__(self, init, clusters, mode, lr, momentum, nesterov):
         assert mode in ("sync", "delay", "eager", "delay-naive")
         self.mode, self.clusters = mode, clusters
         self.base = [t.detach().clone().float() for t in init]
