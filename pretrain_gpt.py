@@ -14,10 +14,10 @@ import signal
 import sys
 import time
 
+from megatron_dilocox import interrupt
 from megatron_dilocox.arguments import ConfigError, missing_dependency, parse_args
 
 PROG = "pretrain_gpt.py"
-_MAIN_PID = os.getpid()
 
 
 def _is_rank0() -> bool:
@@ -63,21 +63,12 @@ def _interrupted(args) -> int:
     return 128 + signal.SIGINT
 
 
-def _stop_on_first_sigint(signum, frame):
-    if os.getpid() != _MAIN_PID:  # a forked checkpoint writer: its parent stops it
-        return
-    # The terminal's Ctrl-C reaches every rank, then torchrun forwards it once more: ignore the
-    # second, which would otherwise interrupt the first one's unwinding mid-traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except ConfigError as err:
         return _error(str(err))
-    signal.signal(signal.SIGINT, _stop_on_first_sigint)
+    interrupt.install()
     try:
         from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dilocox import interrupt
 from megatron_dilocox.checkpoint import checkpointing
 from megatron_dilocox.topology import device
 from megatron_dilocox.training.data import MicroBatches
@@ -160,6 +161,7 @@ class Trainer:
         paused = 0.0
         saved = None
         for iteration in range(self.start_iteration + 1, args.train_iters + 1):
+            interrupt.check()  # Ctrl-C stops here, between iterations
             self._phase("step")
             loss, grad_norm = self.train_step(iteration - 1)
             window_loss += loss
