@@ -1,6 +1,6 @@
 """DiLoCoX round boundary for one rank: pseudo-gradient, cross-cluster reduction, outer step.
 
-Every H inner steps the training loop calls :meth:`OuterSync.step`. Notation (DESIGN.md §3), all
+Every H inner steps the training loop calls :meth:`OuterSync.step`. Notation (docs/dilocox.md, "The algorithm"), all
 fp32 and flat over the shard this rank owns:
 
 * ``base``        outer parameters; bit-identical on the C ranks of the outer group.

@@ -1,4 +1,4 @@
-"""Pseudo-gradient compression for the DiLoCoX outer loop (DESIGN.md §3), plain torch.
+"""Pseudo-gradient compression for the DiLoCoX outer loop (docs/compression.md), plain torch.
 
 * :class:`CompressedReducer` - the ``OuterSync`` reducer hook: codecs ``none``, ``quantize``,
   ``lowrank``, ``lowrank-quantize``, ``topk``; error feedback; adaptive rank; bit-identical results.

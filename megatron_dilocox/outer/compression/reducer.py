@@ -72,7 +72,7 @@ class _Matrix:
 
 
 class CompressedReducer:
-    """OuterSync reducer that compresses the pseudo-gradient (DESIGN.md §3, "Compression").
+    """OuterSync reducer that compresses the pseudo-gradient (docs/compression.md).
 
     Args:
         shapes: shapes of the tensors the flat buffer concatenates, in order. Tensors of 2 or
