@@ -30,12 +30,20 @@ def install() -> None:
             first.append(now)
             requested.set()
         elif now - first[0] > FORCE_AFTER_S:
-            raise KeyboardInterrupt
+            _stop_now()
 
     signal.signal(signal.SIGINT, on_sigint)
 
 
 def check() -> None:
-    """Raises KeyboardInterrupt once Ctrl-C was pressed."""
+    """Raises KeyboardInterrupt once Ctrl-C was pressed (call from the main thread)."""
     if requested.is_set():
-        raise KeyboardInterrupt
+        _stop_now()
+
+
+def _stop_now() -> None:
+    # From here the run is stopping: a later Ctrl-C (or torchrun's copy, whose handler can run
+    # seconds late when the main thread was busy in C code) must not cut the shutdown short, and
+    # the interpreter would die of it during finalization (exit by SIGINT instead of 130).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
