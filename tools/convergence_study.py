@@ -145,17 +145,17 @@ def setting_facts(pretrain: list[str]) -> dict:
 
 
 def train_split_tokens(prefix: str, split: str) -> int:
-    """Tokens in the training split of a single-prefix dataset (megatron's document-level split:
-    the first ``round(w_train / sum(w) * documents)`` documents)."""
-    import numpy
+    """Tokens in the training split of a single-prefix dataset, as pretrain_gpt.py splits it."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
-    weights = [float(x) for x in split.replace("/", ",").split(",")]
-    index = _IndexReader(prefix + ".idx", multimodal=False)
-    docs = len(index.document_indices) - 1
-    n_train = int(round(weights[0] / sum(weights) * docs))
-    last_sequence = int(index.document_indices[n_train])
-    return int(numpy.asarray(index.sequence_lengths[:last_sequence], dtype=numpy.int64).sum())
+    from megatron_dilocox.training.data import split_tokens
+
+    train_bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[0]
+    return split_tokens(_IndexReader(prefix + ".idx", multimodal=False), train_bounds)[1]
 
 
 class Study:

@@ -82,22 +82,29 @@ def _check_files(prefixes, tokenizer) -> list[str]:
     return unrecorded
 
 
+def split_tokens(index, bounds) -> tuple[int, int]:
+    """(documents, tokens) of one dataset's split, given megatron's ``bounds`` (fractions of its
+    documents, rounded as megatron rounds them); ``index`` is the dataset's megatron index reader."""
+    documents = len(index.document_indices) - 1
+    begin, end = (int(round(b * documents)) for b in bounds)
+    first, last = int(index.document_indices[begin]), int(index.document_indices[end])
+    return end - begin, int(numpy.asarray(index.sequence_lengths[first:last], dtype=numpy.int64).sum())
+
+
 def _check_splits(prefixes, split_matrix, args):
     """Every split that samples are drawn from gets at least one sample's tokens of every dataset:
     megatron never finishes indexing an empty split, and a smaller one repeats within a sample."""
     need = args.seq_length + 1
     for prefix in prefixes:
-        index = _IndexReader(prefix + ".idx", multimodal=False)  # kept: its lengths view its memory map
-        lengths = index.sequence_lengths
+        index = _IndexReader(prefix + ".idx", multimodal=False)
         for name, bounds in zip(("train", "validation", "test"), split_matrix):
             if bounds is None:
                 continue
-            begin, end = (int(round(b * len(lengths))) for b in bounds)  # megatron's own rounding
-            tokens = int(lengths[begin:end].sum())
+            documents, tokens = split_tokens(index, bounds)
             if tokens < need:
-                raise ConfigError(f"--split {args.split}: the {name} split of {prefix} gets {end - begin} of its "
-                                  f"{len(lengths)} documents ({tokens} tokens), fewer than one sample "
-                                  f"(--seq-length + 1 = {need} tokens): give it a larger share")
+                raise ConfigError(f"--split {args.split}: the {name} split of {prefix} gets {documents} of its "
+                                  f"{len(index.document_indices) - 1} documents ({tokens} tokens), fewer than one "
+                                  f"sample (--seq-length + 1 = {need} tokens): give it a larger share")
 
 
 def build_datasets(args, tokenizer):
