@@ -180,6 +180,9 @@ def _dilocox_args(parser):
                    help="eager: one-step-delay overlap, keep 1/C of the fresh local progress (the replica's "
                         "share of the coming average); delay: the same overlap, keep all of it; "
                         "sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).")
+    g.add_argument("--dilocox-overlap-steps", type=int, default=None,
+                   help="delay/eager: apply a round's average this many inner steps into the next round "
+                        "(the exchange must finish by then) instead of at the next boundary.")
     g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
     g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
                    help="Outer SGD momentum (0: plain SGD; Nesterov when > 0 unless --dilocox-no-nesterov).")
@@ -225,6 +228,7 @@ def dilocox_config(args) -> DiLoCoXConfig:
         min_local_steps=args.dilocox_min_local_steps,
         max_local_steps=args.dilocox_max_local_steps,
         sync_mode=args.dilocox_sync_mode,
+        overlap_steps=args.dilocox_overlap_steps,
         outer_lr=args.dilocox_outer_lr,
         outer_momentum=args.dilocox_outer_momentum,
         nesterov=args.dilocox_nesterov,

@@ -54,6 +54,12 @@ class DiLoCoXConfig:
     default outer settings, never use it for real runs.
     """
 
+    overlap_steps: int | None = None
+    """``delay`` and ``eager``: inner steps a round's exchange overlaps before its average is
+    applied (:meth:`~megatron_dilocox.outer.sync.OuterSync.land`); None: the whole next round,
+    applied at the next boundary. Fewer steps put the average into the replicas sooner; the
+    exchange must finish within them or training waits for it. ``--dilocox-overlap-steps``."""
+
     outer_lr: float = 1.0
     """Learning rate of the outer SGD. ``--dilocox-outer-lr``. 1.0 without momentum (the mean of
     the replicas' progress, applied as it is) by measurement: DiLoCo's Nesterov 0.7 / 0.9 stalled
@@ -105,6 +111,13 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--dilocox-sync-mode must be one of {', '.join(SYNC_MODES)}, got {self.sync_mode!r}"
             )
+        if self.overlap_steps is not None:
+            if self.sync_mode not in ("delay", "eager"):
+                raise ValueError("--dilocox-overlap-steps needs --dilocox-sync-mode delay or eager, "
+                                 f"got {self.sync_mode}")
+            if not 1 <= self.overlap_steps < (self.max_local_steps or self.local_steps):
+                raise ValueError("--dilocox-overlap-steps must be >= 1 and below H (--dilocox-local-steps, or "
+                                 f"--dilocox-max-local-steps when adaptive), got {self.overlap_steps}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--dilocox-outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

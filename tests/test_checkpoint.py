@@ -31,7 +31,10 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
 # name: (flags, iteration to stop at). Delay stops mid-round, with a reduction in flight.
 RESUMED = {"vanilla": (VANILLA, 4),
            "delay": (DILOCOX + ["--dilocox-sync-mode", "delay"], 5),
-           "sync": (DILOCOX + ["--dilocox-sync-mode", "sync"], 4)}
+           "sync": (DILOCOX + ["--dilocox-sync-mode", "sync"], 4),
+           # H = 4, the average lands 2 steps into a round: stops with round 1 in flight, not landed.
+           "landing": (DILOCOX + ["--dilocox-sync-mode", "eager", "--dilocox-local-steps", "4",
+                                  "--dilocox-overlap-steps", "2"], 5)}
 
 
 @pytest.fixture(scope="module")

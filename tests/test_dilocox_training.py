@@ -23,6 +23,8 @@ ADAPTIVE_H = ["--dilocox-min-local-steps", "2", "--dilocox-max-local-steps", "6"
 COMPRESSED = ["--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-quant-bits", "4",
               "--dilocox-adaptive", "--dilocox-error-feedback"]
 TOPK = ["--dilocox-compression", "topk", "--dilocox-quant-bits", "2", "--dilocox-topk-chunk", "1024"]
+# eager with each round's average applied one inner step into the next round.
+LANDING = ["--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "1"]
 # A NaN in one parameter of rank 0 (stage 0, or TP rank 0, of cluster 0) before the first boundary,
 # and the rounds every rank must skip: delay mode applies that round at the second boundary.
 NAN_RUNS = {"nan_pp2": (LAYOUTS["pp2"] + ["--dilocox-sync-mode", "delay"], [False, True, False]),
@@ -36,12 +38,14 @@ def runs(tmp_path_factory):
              for layout, flags in LAYOUTS.items() for mode in MODES]
     specs.append({"name": "compressed", "flags": MODEL + LAYOUTS["pp2"] + COMPRESSED})
     specs.append({"name": "topk", "flags": MODEL + LAYOUTS["pp2"] + TOPK})
+    specs.append({"name": "pp2_landing", "flags": MODEL + LAYOUTS["pp2"] + LANDING})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
     specs += [{"name": name, "flags": MODEL + flags, "inject_nan": {"rank": 0, "iteration": H}}
               for name, (flags, _) in NAN_RUNS.items()]
     (out / "spec.json").write_text(json.dumps(specs))
     torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")])
     refs = [{"name": mode, "flags": MODEL + ["--dilocox-sync-mode", mode]} for mode in MODES]
+    refs.append({"name": "landing", "flags": MODEL + LANDING})
     (out / "ref.json").write_text(json.dumps(refs))
     torchrun(1, REPO / "tests" / "reference_dilocox.py", [str(out), str(out / "ref.json")])
     return out
@@ -62,10 +66,21 @@ def _cluster0_params(out, name, cluster_size=2):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mode", MODES)
 def test_outer_params_match_reference(runs, layout, mode):
-    got = _cluster0_params(runs, f"{layout}_{mode}")
-    want = torch.load(runs / f"{mode}.reference.pt")
-    init = torch.load(runs / f"{mode}.init.pt")
-    other = torch.load(runs / f"{'delay' if mode == 'sync' else 'sync'}.reference.pt")
+    _assert_matches_reference(runs, f"{layout}_{mode}", mode, "delay" if mode == "sync" else "sync")
+
+
+def test_landing_mid_round_matches_reference(runs):
+    _assert_matches_reference(runs, "pp2_landing", "landing", "delay")
+    records = read_jsonl(runs / "pp2_landing.metrics.jsonl")
+    # Each boundary reports the round that landed during it; the last round is drained at the end.
+    assert [r["bytes_sent"] > 0 for r in records if "outer_step" in r] == [False] + [True] * (ITERS // H)
+
+
+def _assert_matches_reference(runs, name, reference, other_reference):
+    got = _cluster0_params(runs, name)
+    want = torch.load(runs / f"{reference}.reference.pt")
+    init = torch.load(runs / f"{reference}.init.pt")
+    other = torch.load(runs / f"{other_reference}.reference.pt")
     assert set(got) == set(want) and len(want) > 10
 
     def distance(a, b):

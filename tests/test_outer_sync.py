@@ -58,13 +58,20 @@ def config(mode, clusters=2, **kwargs):
     return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **kwargs})
 
 
-def run_reference(mode, clusters=2, rounds=ROUNDS):
+def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None):
+    """``landing``: the previous round's average is applied this many inner steps into a round."""
     replicas = [toy_init() for _ in range(clusters)]
     ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"])
     base_digests = []
-    for _ in range(rounds):
+    for r in range(rounds):
+        steps = H
+        if landing and r:
+            for k in range(clusters):
+                local_steps(replicas[k], toy_data(k), landing)
+            ref.land(replicas)
+            steps = H - landing
         for k in range(clusters):
-            local_steps(replicas[k], toy_data(k), H)
+            local_steps(replicas[k], toy_data(k), steps)
         ref.step(replicas)
         base_digests.append(digest(ref.base))
     ref.finish(replicas)
@@ -93,6 +100,59 @@ def scenario_modes(rank, group):
                          params=[p.clone() for p in params], base=sync.base.clone())
         sync.close()
     return out
+
+
+LANDING = 1  # inner steps into a round at which the previous round's average is applied
+
+
+def scenario_landing(rank, group):
+    """delay and eager with --dilocox-overlap-steps; eager also checkpointed and resumed between a
+    boundary and its landing, and between a landing and the next boundary."""
+    out = {}
+    for mode in ("delay", "eager"):
+        params, data = toy_init(), toy_data(rank)
+        sync = OuterSync(params, group, config(mode, overlap_steps=LANDING))
+        rounds = []
+        for r in range(ROUNDS):
+            if r:
+                local_steps(params, data, LANDING)
+                sync.land()
+            local_steps(params, data, H - LANDING if r else H)
+            rounds.append(dict(stats=asdict(sync.step((r + 1) * H)), base=digest([sync.base])))
+        fin = sync.finish()
+        out[mode] = dict(rounds=rounds, finish=fin and asdict(fin), params=[p.clone() for p in params])
+        sync.close()
+    out["resumed"] = []
+    for stop in ("in_flight", "landed"):  # round 2: after its boundary, or after its landing
+        params, data = toy_init(), toy_data(rank)
+        counter = ByteCounter()
+        sync = OuterSync(params, group, config("eager", overlap_steps=LANDING), slow_reducer(counter, 0.1), counter)
+        stats = []
+        for r in range(ROUNDS):
+            if r:
+                local_steps(params, data, LANDING)
+                sync.land()
+                if r == 2 and stop == "landed":
+                    sync = _checkpointed(sync, params, group)
+            local_steps(params, data, H - LANDING if r else H)
+            stats.append(asdict(sync.step((r + 1) * H)))
+            if r == 1 and stop == "in_flight":
+                sync = _checkpointed(sync, params, group)
+        sync.finish()
+        sync.close()
+        out["resumed"].append(dict(stop=stop, params=params, stats=stats))
+    return out
+
+
+def _checkpointed(sync, params, group):
+    """``sync`` saved, closed and restored into a new OuterSync (the params stay in place)."""
+    buf = io.BytesIO()
+    torch.save(sync.state_dict(), buf)
+    sync.close()
+    buf.seek(0)
+    restored = OuterSync(params, group, sync.config)
+    restored.load_state_dict(torch.load(buf))
+    return restored
 
 
 def scenario_nan(rank, group):
@@ -170,7 +230,7 @@ def scenario_resume(rank, group):
 
 
 def _scenarios(rank, group):
-    return dict(modes=scenario_modes(rank, group), nan=scenario_nan(rank, group),
+    return dict(modes=scenario_modes(rank, group), landing=scenario_landing(rank, group), nan=scenario_nan(rank, group),
                 overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group))
 
 
@@ -201,6 +261,39 @@ def test_matches_reference_and_ranks_agree(ranks, mode):
             assert (s["outer_step"], s["iteration"], s["skipped"]) == (r + 1, (r + 1) * H, False)
             assert s["pseudo_grad_norm"] > 0
             assert s["pseudo_grad_norm"] == pytest.approx(math.sqrt(s["pseudo_grad_sq"]))
+
+
+@pytest.mark.parametrize("mode", ["delay", "eager"])
+def test_landing_matches_reference_and_ranks_agree(ranks, mode):
+    replicas, ref_digests = run_reference(mode, landing=LANDING)
+    _, at_boundary = run_reference(mode)
+    for r in range(ROUNDS):
+        assert [ranks[k]["landing"][mode]["rounds"][r]["base"] for k in range(2)] == [ref_digests[r]] * 2
+    assert ref_digests[-1] != at_boundary[-1]  # landing early is a different trajectory
+    for k in range(2):
+        res = ranks[k]["landing"][mode]
+        assert all(torch.equal(p, q) for p, q in zip(res["params"], replicas[k]))
+        # Each boundary reports the round that landed during it; the last one is drained by finish.
+        assert [rnd["stats"]["bytes_sent"] for rnd in res["rounds"]] == [0] + [PAYLOAD] * (ROUNDS - 1)
+        assert res["finish"]["bytes_sent"] == PAYLOAD
+
+
+def test_landing_resumes_exactly(ranks):
+    for rank in ranks:
+        straight = rank["landing"]["eager"]
+        for res in rank["landing"]["resumed"]:
+            assert all(torch.equal(p, q) for p, q in zip(res["params"], straight["params"])), res["stop"]
+            # The round exchanged before the stop is not reported again by the resumed run.
+            assert [s["bytes_sent"] for s in res["stats"]] == [0, PAYLOAD, 0, PAYLOAD, PAYLOAD]
+
+
+def test_overlap_steps_needs_an_overlapping_mode_and_fits_in_a_round():
+    with pytest.raises(ValueError, match="--dilocox-overlap-steps needs --dilocox-sync-mode"):
+        config("sync", overlap_steps=1).validate()
+    for bad in (0, H):
+        with pytest.raises(ValueError, match="--dilocox-overlap-steps must be >= 1 and below H"):
+            config("eager", overlap_steps=bad).validate()
+    config("eager", overlap_steps=H - 1).validate()
 
 
 def test_modes_differ(ranks):

@@ -46,6 +46,7 @@ AR=(--method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4" --method "AllReduce lr 
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
+    INNER4="--lr 4e-3 --min-lr 4e-4"
     TOPK="--dilocox-compression topk --dilocox-topk-density 0.015625 --dilocox-ef-decay 0.95"
     METHODS=("${AR[@]}"
       --method "old defaults=$DLX $OLD_DEFAULTS"
@@ -56,6 +57,13 @@ case "$STUDY" in
       --method "eager lowrank r4 4b EF1 SGD lr1=$DLX --dilocox-sync-mode eager --dilocox-compression lowrank-quantize --dilocox-rank 4 --dilocox-quant-bits 4 --dilocox-error-feedback --dilocox-ef-decay 1.0 $SGD1"
       --method "eager topk 2b SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --lr 4e-3 --min-lr 4e-4"
       --method "sync fp32 SGD lr1=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1"
+      --method "sync fp32 SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1 $INNER4"
+      --method "sync fp32 SGD lr1.5 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 1.5 --dilocox-outer-momentum 0 $INNER4"
+      --method "sync fp32 Nesterov 0.3/0.7 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 0.3 --dilocox-outer-momentum 0.7 $INNER4"
+      --method "sync fp32 Nesterov 0.45/0.7 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 0.45 --dilocox-outer-momentum 0.7 $INNER4"
+      --method "sync fp32 SGD lr1 inner 5.6e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1 --lr 5.6e-3 --min-lr 5.6e-4"
+      --method "eager fp32 SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1 --dilocox-overlap-steps 1 $INNER4"
+      --method "eager topk 2b SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4"
       --compare "sync fp32 SGD lr1") ;;
   defaults)  # DiLoCoX at AllReduce's best learning rate (the pilot: 4e-3 beat 2e-3 for both)
     INNER="--lr 4e-3 --min-lr 4e-4"

@@ -50,6 +50,17 @@ class ReferenceDiLoCo:
         self._load(replicas)
 
     @torch.no_grad()
+    def land(self, replicas):
+        """Mid-round (delay modes): apply the in-flight average; each replica swaps the progress
+        it carries for it and keeps what it trained since the boundary."""
+        self._apply(self.pending)
+        self.pending = None
+        for rep, start in zip(replicas, self.starts):
+            for p, s, b in zip(rep, start, self.base):
+                p.add_(b - s)
+        self.starts = [self._copy(self.base) for _ in range(self.clusters)]
+
+    @torch.no_grad()
     def finish(self, replicas):
         """End of training: apply the last in-flight average; every replica becomes ``base``."""
         if self.pending is not None:

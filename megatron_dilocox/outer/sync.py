@@ -25,6 +25,14 @@ Modes at boundary t:
   arXiv 2502.12996, with the other clusters' share left out until it arrives). ``delay`` carries
   its whole ``delta_t``, so the replicas drift further apart; at boundary t+1 both carries are
   replaced by ``g_t`` in the same way.
+* Landing mid-round (``overlap_steps`` tau < H, ``delay`` and ``eager``): the reduction launched
+  at boundary t is applied by :meth:`OuterSync.land` after tau inner steps of round t+1 instead of
+  at boundary t+1: ``base = Nesterov(base, g_t)``, and each replica trades its carry for it,
+  ``params += base - round_start``, ``round_start = base``. The replica keeps the tau steps of
+  progress it made meanwhile (measured from the shifted ``round_start``, so ``delta_{t+1}`` still
+  holds exactly round t+1's progress) and trains on the average for the rest of the round: the
+  average is tau steps late instead of H (Streaming DiLoCo's overlap of tau inner steps,
+  Douillard et al. 2025, arXiv 2501.18512).
 * ``delay-naive`` (ablation): as ``delay`` but ``params = round_start = base`` (the fresh
   progress reaches the model only through the stale average; unstable with lr 0.7 / m 0.9).
 
@@ -144,6 +152,15 @@ class _Reduced(NamedTuple):
     nbytes: int
 
 
+class _Landed(NamedTuple):
+    """What :meth:`OuterSync.land` applied, reported by the next boundary's :class:`RoundStats`."""
+
+    nbytes: int
+    comm_s: float
+    wait_s: float
+    skipped: bool
+
+
 def _done(result: _Reduced) -> concurrent.futures.Future:
     future = concurrent.futures.Future()
     future.set_result(result)
@@ -209,6 +226,7 @@ class OuterSync:
         self.outer_step = 0
         self._iteration = 0
         self._inflight: concurrent.futures.Future | None = None
+        self._landed: _Landed | None = None
         # One worker: reductions run one at a time, in launch order, on every rank.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
@@ -224,10 +242,14 @@ class OuterSync:
 
         if mode == "sync":
             self._submit(delta)
-        result, wait_s = self._wait()  # sync: this round's; delay modes: the previous round's
+        # sync: this round's; delay modes: the previous round's, unless land() applied it already.
+        result, wait_s = self._wait()
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
         finite, local_ok = self.agree([result is None or all_finite(result.grad), math.isfinite(sq)])
         skipped = result is not None and not self._apply(result.grad, finite)
+        applied = self._landed or _Landed(result.nbytes if result else 0, result.comm_s if result else 0.0,
+                                          wait_s, skipped)
+        self._landed = None
         if self._carry:
             if local_ok:
                 torch.sub(self.base, delta, alpha=self._carry, out=self.round_start)
@@ -246,29 +268,52 @@ class OuterSync:
         return RoundStats(
             outer_step=self.outer_step,
             iteration=iteration,
-            bytes_sent=result.nbytes if result else 0,
-            comm_s=result.comm_s if result else 0.0,
-            wait_s=wait_s,
+            bytes_sent=applied.nbytes,
+            comm_s=applied.comm_s,
+            wait_s=applied.wait_s,
             pseudo_grad_norm=math.sqrt(sq),
             pseudo_grad_sq=sq,
-            skipped=skipped,
+            skipped=applied.skipped,
         )
 
     @torch.no_grad()
-    def finish(self) -> RoundStats | None:
-        """Drains and applies the in-flight reduction and sets ``params = base``.
-
-        Call at the end of training, right after the last :meth:`step`, so the final model
-        includes every round's averaged work. Returns None (and changes nothing) when nothing
-        is in flight, e.g. in ``sync`` mode.
-        """
+    def land(self) -> None:
+        """Applies the in-flight reduction mid-round (``delay`` and ``eager`` with
+        ``overlap_steps``; see the module docstring): ``base`` takes the outer step and the
+        replica's carried share of its own progress is replaced by it. Call on every rank at the
+        same inner step; the next :meth:`step` reports what was applied. Does nothing when no
+        reduction is in flight."""
+        assert self._carry, "only delay and eager carry progress that an average can replace"
         result, wait_s = self._wait()
         if result is None:
-            return None
+            return
         (finite,) = self.agree([all_finite(result.grad)])
         skipped = not self._apply(result.grad, finite)
-        self.round_start.copy_(self.base)
-        self._write_params(self.base)
+        if not skipped:  # a skipped average leaves the carry in place, as at a boundary
+            for p, b, s in zip(self.params, self.base_views, self.views(self.round_start)):
+                p.add_(b - s)
+            self.round_start.copy_(self.base)
+        self._landed = _Landed(result.nbytes, result.comm_s, wait_s, skipped)
+
+    @torch.no_grad()
+    def finish(self) -> RoundStats | None:
+        """Drains and applies the in-flight reduction and, in the delay modes, sets
+        ``params = base``.
+
+        Call at the end of training, after the last :meth:`step` (or :meth:`land`), so the final
+        model is the outer one with every round's averaged work. Returns the drained round's
+        stats, or None when nothing was in flight (``sync``, or a round that already landed).
+        """
+        result, wait_s = self._wait()
+        skipped = False
+        if result is not None:
+            (finite,) = self.agree([all_finite(result.grad)])
+            skipped = not self._apply(result.grad, finite)
+        if self.config.sync_mode != "sync":
+            self.round_start.copy_(self.base)
+            self._write_params(self.base)
+        if result is None:
+            return None
         return RoundStats(
             self.outer_step, self._iteration, result.nbytes, result.comm_s, wait_s, 0.0, 0.0,
             skipped,
@@ -333,6 +378,7 @@ class OuterSync:
             self.base.copy_(state["base"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = int(state["outer_step"])
+        self._landed = None  # what an earlier run applied; this one reports only its own exchanges
         g = state["pending_grad"]
         if g is not None:
             self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0))

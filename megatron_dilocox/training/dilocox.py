@@ -66,6 +66,7 @@ class DiLoCoX:
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
+        self.next_landing: int | None = None
 
     def _check_identical_start(self):
         """Every replica must start from bit-identical weights (one hash exchange at start)."""
@@ -113,6 +114,17 @@ class DiLoCoX:
 
     def is_boundary(self, iteration: int) -> bool:
         return iteration == self.next_boundary
+
+    def is_landing(self, iteration: int) -> bool:
+        """Whether the in-flight round's average is applied after ``iteration`` (--dilocox-overlap-steps)."""
+        return iteration == self.next_landing
+
+    def land(self) -> None:
+        """Applies the in-flight round's average mid-round (:meth:`OuterSync.land`)."""
+        self.sync.land()
+        self._mirror_tied_embedding()
+        push_to_model(self.optimizer)
+        self.next_landing = None
 
     def _adapt_local_steps(self, record: dict) -> None:
         """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
@@ -166,6 +178,8 @@ class DiLoCoX:
             self._adapt_local_steps(record)
         record["local_steps"] = self.local_steps
         self.next_boundary = iteration + self.local_steps
+        tau = self.config.overlap_steps
+        self.next_landing = iteration + tau if tau is not None and tau < self.local_steps else None
         self._round_start_time = time.perf_counter()
         return record
 
@@ -186,7 +200,8 @@ class DiLoCoX:
         result); the main params themselves are the checkpoint's to save."""
         return {"sync": self.sync.state_dict(),
                 "compressor": None if self.compressor is None else self.compressor.state_dict(),
-                "local_steps": self.local_steps, "next_boundary": self.next_boundary}
+                "local_steps": self.local_steps, "next_boundary": self.next_boundary,
+                "next_landing": self.next_landing}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict` output; the main params must already hold their saved
@@ -200,6 +215,7 @@ class DiLoCoX:
             self.compressor.load_state_dict(state["compressor"])
         self.local_steps = int(state["local_steps"])
         self.next_boundary = int(state["next_boundary"])
+        self.next_landing = state.get("next_landing")  # absent before --dilocox-overlap-steps existed
         push_to_model(self.optimizer)
 
     @contextlib.contextmanager

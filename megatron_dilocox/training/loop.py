@@ -168,6 +168,9 @@ class Trainer:
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
                 self._outer_round(self.dilocox.step(iteration))
+            elif self.dilocox is not None and self.dilocox.is_landing(iteration):
+                self._phase("boundary")
+                self.dilocox.land()
             if iteration % args.log_interval == 0:
                 now = time.perf_counter()
                 per_iter = (now - window_start) / args.log_interval
