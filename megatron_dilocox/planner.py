@@ -266,6 +266,8 @@ class DiLoCoXSettings:
     topk_density: float = CompressionConfig.topk_density
     topk_chunk: int = CompressionConfig.topk_chunk
     sync_mode: str = DiLoCoXConfig.sync_mode
+    overlap_steps: int | None = DiLoCoXConfig.overlap_steps
+    """Inner steps of the next round the exchange overlaps (None: all H; ``sync``: none)."""
     error_feedback: bool | None = None
     """None: the codec's default (on for topk only)."""
     offload_outer_state: bool = False
@@ -427,12 +429,13 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     exchange = dl_link / inter_bw
     h_steps = d.local_steps
     compute_round = h_steps * step
-    rnd = max(compute_round, exchange) if d.sync_mode != "sync" else compute_round + exchange
+    window = 0 if d.sync_mode == "sync" else (d.overlap_steps or h_steps) * step
+    rnd = compute_round + max(0.0, exchange - window)  # training waits for what the window does not hide
     p.dilocox = dict(payload_per_rank=max(payload), payload_per_stage=payload,
                      sent_per_rank_per_round=max(sent), sent_per_stage=sent,
                      bytes_per_rank_per_step=max(sent) / h_steps, link_bytes_per_round=dl_link,
                      exchange=exchange, round_compute=compute_round, round=rnd,
-                     step=rnd / h_steps, hidden=float(exchange <= compute_round),
+                     step=rnd / h_steps, hidden=float(exchange <= window),
                      dense_bytes=4 * math.ceil(n_outer))
     p.ratio = h_steps * p.allreduce["step"] / rnd
     return p
@@ -531,11 +534,12 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
         f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
         f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, "
         f"{f'density {d.topk_density:g}' if d.compression == 'topk' else f'rank {d.rank}'}, "
-        f"H {d.local_steps}, {d.sync_mode}): "
+        f"H {d.local_steps}, {d.sync_mode}{f', lands after {d.overlap_steps}' if d.overlap_steps else ''}): "
         f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
         f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "
         f"per rank per step",
         f"  exchange {_fmt_s(p.dilocox['exchange'])} vs round compute {_fmt_s(p.dilocox['round_compute'])}"
+        f"{f' (overlap window {d.overlap_steps} steps)' if d.overlap_steps and d.sync_mode != 'sync' else ''}"
         f" ({'hidden' if p.dilocox['hidden'] else 'NOT hidden'}) -> round {_fmt_s(p.dilocox['round'])}",
         f"throughput DiLoCoX / AllReduce: {p.ratio:,.1f}x",
     ]

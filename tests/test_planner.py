@@ -219,6 +219,11 @@ def test_step_and_ratio_arithmetic():
     assert math.isclose(p.allreduce["comm"], 2 * (1 * 4 * n / 2) / 1e9)
     assert math.isclose(p.dilocox["exchange"], 2 * (1 * 4 * n) / 1e9)
     assert math.isclose(p.ratio, 10 * p.allreduce["step"] / max(10 * p.step["total"], p.dilocox["exchange"]))
+    # Landing 1 step into the next round: only 1 step's compute hides the exchange.
+    early = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none", overlap_steps=1), mach)
+    window = p.step["total"]
+    assert p.dilocox["exchange"] > window and not early.dilocox["hidden"] and p.dilocox["hidden"]
+    assert math.isclose(early.dilocox["round"], 10 * p.step["total"] + p.dilocox["exchange"] - window)
 
 
 def test_cli_quickstart_and_preset(capsys):

@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dilocox.arguments import missing_dependency  # noqa: E402
+from megatron_dilocox.errors import missing_dependency  # noqa: E402
 from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig  # noqa: E402
 
 PAPER_RATIO = 357.0
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dilocox-rank", type=int, help="Low-rank rank.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES,
                    help="sync blocks on the exchange; the other modes overlap it with the next round.")
+    g.add_argument("--dilocox-overlap-steps", type=int,
+                   help="delay/eager: the exchange must finish within this many steps of the next round "
+                        "(default: all H).")
     g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="Counts the error-feedback residual in the outer state (default: on for topk only).")
     g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None,
@@ -129,7 +132,8 @@ DEFAULTS = dict(
     swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
     use_distributed_optimizer=False, bf16=False,
     dilocox_clusters=DiLoCoXConfig.clusters, dilocox_local_steps=DiLoCoXConfig.local_steps,
-    dilocox_sync_mode=DiLoCoXConfig.sync_mode, dilocox_compression=CompressionConfig.codec,
+    dilocox_sync_mode=DiLoCoXConfig.sync_mode, dilocox_overlap_steps=DiLoCoXConfig.overlap_steps,
+    dilocox_compression=CompressionConfig.codec,
     dilocox_quant_bits=None, dilocox_quant_block=CompressionConfig.block, dilocox_rank=CompressionConfig.rank,
     dilocox_topk_density=CompressionConfig.topk_density, dilocox_topk_chunk=CompressionConfig.topk_chunk,
     dilocox_error_feedback=None, dilocox_offload_outer_state=False,
@@ -143,7 +147,8 @@ LAUNCH_KEYS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "use_distributed_optimizer", "bf16", "recompute_granularity", "dilocox_clusters", "dilocox_local_steps",
     "dilocox_compression", "dilocox_quant_bits", "dilocox_quant_block", "dilocox_rank", "dilocox_sync_mode",
-    "dilocox_error_feedback", "dilocox_offload_outer_state", "dilocox_topk_density", "dilocox_topk_chunk",
+    "dilocox_overlap_steps", "dilocox_error_feedback", "dilocox_offload_outer_state", "dilocox_topk_density",
+    "dilocox_topk_chunk",
 )
 """What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
 
@@ -209,7 +214,7 @@ def configs(args):
     dl = DiLoCoXSettings(clusters=args.dilocox_clusters, local_steps=args.dilocox_local_steps,
                          compression=args.dilocox_compression, quant_bits=args.dilocox_quant_bits,
                          rank=args.dilocox_rank, block=args.dilocox_quant_block, sync_mode=args.dilocox_sync_mode,
-                         topk_density=args.dilocox_topk_density, topk_chunk=args.dilocox_topk_chunk,
+                         overlap_steps=args.dilocox_overlap_steps, topk_density=args.dilocox_topk_density, topk_chunk=args.dilocox_topk_chunk,
                          error_feedback=args.dilocox_error_feedback,
                          offload_outer_state=args.dilocox_offload_outer_state)
     machine = Machine(gpu_memory_gib=args.gpu_memory_gib, gpu_tflops=args.gpu_tflops,
