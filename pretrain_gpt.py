@@ -15,7 +15,8 @@ import sys
 import time
 
 from megatron_dilocox import interrupt
-from megatron_dilocox.arguments import ConfigError, missing_dependency, parse_args
+from megatron_dilocox.arguments import parse_args
+from megatron_dilocox.errors import CheckpointError, ConfigError, missing_dependency
 
 PROG = "pretrain_gpt.py"
 
@@ -57,7 +58,7 @@ def _interrupted(args) -> int:
 
             try:
                 kept = f"last checkpoint {files.latest(args.save)} (resume with --load {args.save})"
-            except files.CheckpointError:
+            except CheckpointError:
                 kept = f"no checkpoint saved in {args.save} yet"
         print(f"{PROG}: interrupted: {kept}", file=sys.stderr, flush=True)
     return 128 + signal.SIGINT

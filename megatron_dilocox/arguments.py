@@ -2,27 +2,16 @@
 
 :func:`parse_args` builds the parser, parses, and checks everything that can be
 checked before the process group exists; :func:`validate_world` checks the
-layout against the world size. Every user error is a :class:`ConfigError` whose
-message names the flag.
+layout against the world size. Every user error is a
+:class:`~megatron_dilocox.errors.ConfigError` whose message names the flag.
 """
 
 import argparse
 import math
 import os
-import sys
 
 from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
-
-
-class ConfigError(ValueError):
-    """A user error in flags or input files; its message is one line naming the culprit."""
-
-
-def missing_dependency(err: ModuleNotFoundError) -> str:
-    """The one-line error of a run outside the project's environment."""
-    return (f"Python module {err.name!r} is not installed for {sys.executable}: install the pinned "
-            "dependencies with `source tools/setup_env.sh` (or: pip install -r requirements-cpu.txt "
-            "&& pip install -e .)")
+from megatron_dilocox.errors import ConfigError
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

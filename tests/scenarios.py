@@ -20,7 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import ConfigError, parse_args
+from megatron_dilocox.arguments import parse_args
+from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.training.setup import setup
 from megatron_dilocox.training.model import gather_full_params
 from megatron.core import parallel_state

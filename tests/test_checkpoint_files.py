@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from megatron_dilocox.checkpoint import files
-from megatron_dilocox.checkpoint.files import CheckpointError
+from megatron_dilocox.errors import CheckpointError
 
 
 def _save(root, iteration, extra=None):

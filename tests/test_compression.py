@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_dilocox.arguments import ConfigError, compression_config, parse_args
+from megatron_dilocox.arguments import compression_config, parse_args
+from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.outer.compression import CompressedReducer, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec

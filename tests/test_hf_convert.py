@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from launch import free_port
-from megatron_dilocox.arguments import ConfigError, parse_args
+from megatron_dilocox.arguments import parse_args
+from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.checkpoint.hf import as_argv, from_hf, hf_family, to_hf
 
 VOCAB, SEQ, TOL = 100, 32, 1e-4  # VOCAB pads to 128: the HF models get the padded size

@@ -34,7 +34,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 
 from megatron_dilocox.checkpoint import files
-from megatron_dilocox.checkpoint.files import CheckpointError
+from megatron_dilocox.errors import CheckpointError
 from megatron_dilocox.training.main_params import leaf_optimizers, main_params, push_to_model
 
 # The flags that define the weights' shapes and meaning: a checkpoint loads only where they agree.

@@ -30,7 +30,7 @@ import socket
 import time
 from pathlib import Path
 
-from megatron_dilocox.arguments import ConfigError
+from megatron_dilocox.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -38,10 +38,6 @@ DIGEST = MANIFEST + ".sha256"
 LOCK = "run.lock"
 NOT_LISTED = "not listed in the manifest (written by another run?)"
 FORMAT = "megatron-dilocox/1"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
 def iteration_dir(root, iteration: int) -> Path:

@@ -44,7 +44,8 @@ import torch
 from megatron.core.transformer import TransformerConfig
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from megatron_dilocox.arguments import ConfigError, padded_vocab_size
+from megatron_dilocox.arguments import padded_vocab_size
+from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.training.model import transformer_config
 
 _FAMILY_FLAGS = {  # (--position-embedding-type, --normalization, --swiglu)

@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import _IndexReader
 
-from megatron_dilocox.arguments import ConfigError
+from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.data.tokenizer import IDENTITY_SUFFIX
 
 

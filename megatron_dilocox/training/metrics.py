@@ -8,7 +8,7 @@ import math
 import os
 import time
 
-from megatron_dilocox.arguments import ConfigError
+from megatron_dilocox.errors import ConfigError
 
 
 def _timestamp():

@@ -16,8 +16,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir  # noqa: E402
 from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
-from megatron_dilocox.arguments import ConfigError, compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
+from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
 from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
+from megatron_dilocox.errors import ConfigError  # noqa: E402
 from megatron_dilocox.topology import build_topology, init_distributed  # noqa: E402
 from megatron_dilocox.training.data import build_datasets  # noqa: E402
 from megatron_dilocox.training.dilocox import DiLoCoX  # noqa: E402

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     into.add_argument("--load", required=True, help="Hugging Face folder (config.json + weights)")
     into.add_argument("--save", required=True, help="checkpoint directory to write")
     args = parser.parse_args(argv)
-    from megatron_dilocox.arguments import ConfigError, missing_dependency
+    from megatron_dilocox.errors import ConfigError, missing_dependency
 
     try:
         if args.direction == "to-hf":

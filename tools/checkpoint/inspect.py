@@ -21,7 +21,7 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from megatron_dilocox.checkpoint import files  # noqa: E402
-from megatron_dilocox.checkpoint.files import CheckpointError  # noqa: E402
+from megatron_dilocox.errors import CheckpointError  # noqa: E402
 
 
 def _mib(n: int) -> str:

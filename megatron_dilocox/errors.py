@@ -1,0 +1,23 @@
+"""The project's user errors: what went wrong, in one line that names the culprit.
+
+Entry points (``pretrain_gpt.py``, ``tools/``) catch :class:`ConfigError` (and so
+:class:`CheckpointError`) and print its message without a traceback; anything else is a bug and
+keeps its traceback. This module imports nothing of the project, so every layer can raise them.
+"""
+
+import sys
+
+
+class ConfigError(ValueError):
+    """A user error in flags or input files; its message is one line naming the culprit."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded; the message names the file and the problem."""
+
+
+def missing_dependency(err: ModuleNotFoundError) -> str:
+    """The one-line error of a run outside the project's environment."""
+    return (f"Python module {err.name!r} is not installed for {sys.executable}: install the pinned "
+            "dependencies with `source tools/setup_env.sh` (or: pip install -r requirements-cpu.txt "
+            "&& pip install -e .)")
