@@ -3,6 +3,7 @@
 # validation set (tools/convergence_study.py; tables and reading in docs/convergence.md).
 #   bash examples/benchmark/convergence.sh                 # STUDY=defaults: the acceptance comparison
 #   STUDY=pilot SEEDS=1 ITERS=700 bash examples/benchmark/convergence.sh
+#   STUDY=batch GBS=64 SEEDS=1 ITERS=350 OUT=runs/convergence/pilot-gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,7 +13,9 @@ STUDY=${STUDY:-defaults}
 DATA=${DATA:-data/stdlib_big}
 OUT=${OUT:-runs/convergence/$STUDY}
 SEEDS=${SEEDS:-1,2,3}
-ITERS=${ITERS:-1400}           # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
+GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
+ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
+WARMUP=${WARMUP:-$((100 * 32 / GBS))}  # 410K tokens of warm-up at any batch
 LAYERS=${LAYERS:-3}
 HIDDEN=${HIDDEN:-128}
 CLUSTERS=${CLUSTERS:-2}
@@ -29,8 +32,8 @@ fi
 
 SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 --seq-length 128
          --max-position-embeddings 128 --hidden-dropout 0 --attention-dropout 0
-         --micro-batch-size 16 --global-batch-size 32 --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4
-         --lr-decay-style cosine --lr-warmup-iters 100 --weight-decay 0.1 --clip-grad 1.0
+         --micro-batch-size 16 --global-batch-size "$GBS" --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4
+         --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0
          --adam-beta1 0.9 --adam-beta2 0.99
          --data-path "$DATA/corpus_text_document" --tokenizer-type SentencePieceTokenizer
          --tokenizer-model "$DATA/sp.model" --split 995,5,0 --data-cache-path "$DATA/cache"
@@ -71,7 +74,14 @@ case "$STUDY" in
     METHODS=("${AR[@]}" --method "DiLoCoX defaults=$DLX $INNER"
              --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none $INNER"
              --compare "sync fp32") ;;
-  *) echo "STUDY must be pilot or defaults, got $STUDY" >&2; exit 2 ;;
+  batch)  # the defaults and blocking DiLoCo at another global batch, e.g. GBS=64 OUT=runs/convergence/pilot-gbs64
+    INNER="--lr 4e-3 --min-lr 4e-4"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
+             --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 8e-3"
+             --method "DiLoCoX defaults=$DLX $INNER"
+             --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none $INNER"
+             --compare "sync fp32") ;;
+  *) echo "STUDY must be pilot, defaults or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
