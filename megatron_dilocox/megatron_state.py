@@ -1,12 +1,22 @@
-"""The inner optimizer's fp32 main params: what the outer loop and checkpoints read and write.
+"""What the project reads and writes of megatron-core's optimizer and model objects.
 
-megatron-core keeps the params its optimizer updates (fp32 copies for bf16 models; for the
-distributed optimizer, this rank's shard of them) in the optimizer's ``param_groups``. After
+The inner optimizer's fp32 main params: megatron-core keeps the params its optimizer updates
+(fp32 copies for bf16 models; for the distributed optimizer, this rank's shard of them) in the
+optimizer's ``param_groups``. The outer loop and exact-resume checkpoints work on them; after
 writing them, :func:`push_to_model` refreshes the model weights exactly as megatron does after
 an optimizer step.
+
+The model's weights as megatron's sharded state dict (:func:`model_sharded_state_dict`), whose
+keys do not depend on the parallel layout: what checkpoints save and load.
+
+This module sits below ``training/`` and ``checkpoint/``, which both use it: ``checkpoint/``
+never imports ``training/``, and of ``training/`` only the wiring in ``setup.py`` imports
+``checkpoint/``.
 """
 
 import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.module import Float16Module
 
 
 def leaf_optimizers(optimizer) -> list:
@@ -42,3 +52,15 @@ def push_to_model(optimizer) -> None:
         if getattr(opt, "ddp_config", None) is not None and opt.ddp_config.use_distributed_optimizer:
             for chunk in opt.model_chunks:
                 chunk.start_param_sync(force_sync=True)
+
+
+def unwrap(chunk):
+    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def model_sharded_state_dict(model) -> dict:
+    """megatron's sharded state dict of every model chunk (keys are layout-independent)."""
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}

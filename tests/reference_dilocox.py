@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from megatron_dilocox.arguments import dilocox_config, padded_vocab_size, parse_args, validate_world
 from megatron_dilocox.data.tokenizer import build_tokenizer
+from megatron_dilocox.megatron_state import main_params
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.topology import build_topology, init_distributed
 from megatron_dilocox.training.data import MicroBatches, build_datasets
-from megatron_dilocox.training.main_params import main_params
 from megatron_dilocox.training.loop import Trainer
 from megatron_dilocox.training.metrics import MetricsLogger
 from megatron_dilocox.training.model import (

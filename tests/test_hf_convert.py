@@ -124,7 +124,7 @@ def _megatron_scenarios():
         family = hf_family(args)
         chunk = ours(args, VOCAB)
         params = gather_full_params([chunk], tied=not args.untie_embeddings_and_output_weights)
-        config, sd = to_hf(params, args, VOCAB)
+        config, sd = to_hf(params, args, transformer_config(args), VOCAB)
         hf = hf_model(family, config, sd)
         r["vocab"] = config.vocab_size
         r["export_diff"] = max_diff(chunk, hf)
@@ -218,11 +218,17 @@ def test_family_from_flags():
         hf_family(flags_for("gpt2", "--position-embedding-type", "rope", "--normalization", "RMSNorm"))
 
 
+def _to_hf(params, args, vocab):
+    from megatron_dilocox.training.model import transformer_config
+
+    return to_hf(params, args, transformer_config(args), vocab)
+
+
 def test_gpt2_refuses_what_it_cannot_hold():
     with pytest.raises(ConfigError, match="--num-query-groups 2 must equal --num-attention-heads 4"):
-        to_hf({}, flags_for("gpt2", "--num-query-groups", "2"), VOCAB)
+        _to_hf({}, flags_for("gpt2", "--num-query-groups", "2"), VOCAB)
     with pytest.raises(ConfigError, match="--disable-bias-linear"):
-        to_hf({}, flags_for("gpt2", "--disable-bias-linear"), VOCAB)
+        _to_hf({}, flags_for("gpt2", "--disable-bias-linear"), VOCAB)
 
 
 def _gpt2_config(**changes):
@@ -234,11 +240,11 @@ def _gpt2_config(**changes):
 def test_to_hf_checks_names_and_vocab():
     args = flags_for("gpt2", "--num-layers", "1")
     with pytest.raises(ConfigError, match=r"missing \['decoder.final_layernorm.bias'"):
-        to_hf({}, args, VOCAB)
+        _to_hf({}, args, VOCAB)
     params, _ = from_hf(transformers.GPT2LMHeadModel(_gpt2_config()), _gpt2_config())
-    assert to_hf(params, args, VOCAB)[0].vocab_size == 128
+    assert _to_hf(params, args, VOCAB)[0].vocab_size == 128
     with pytest.raises(ConfigError, match="the embedding has 128 rows, but vocab size 300 pads to 384"):
-        to_hf(params, args, 300)
+        _to_hf(params, args, 300)
 
 
 def test_from_hf_refuses_what_our_model_computes_differently():

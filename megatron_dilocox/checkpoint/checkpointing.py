@@ -15,10 +15,15 @@ the weights, the iteration and the learning-rate schedule; the inner optimizer a
 state start fresh from those weights, and the log says so.
 
 A run owns its ``--save`` directory from start to exit (:func:`lock_save_dir`).
+
+This package never imports ``training/``: what it saves and restores arrives as plain dicts
+(``Trainer.state_dict()``, whose keys are listed in :data:`RANK_STATE`, plus the manifest's
+``eval_round`` and ``scheduler``) and megatron's sharded state dicts, through the adapter
+below both (:mod:`megatron_dilocox.megatron_state`). The wiring of the two is the entry
+point's (``training/setup.py``).
 """
 
 import atexit
-import contextlib
 import io
 import json
 import random
@@ -30,12 +35,10 @@ import numpy
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel
-from megatron.core.transformer.module import Float16Module
 
 from megatron_dilocox.checkpoint import files
 from megatron_dilocox.errors import CheckpointError
-from megatron_dilocox.training.main_params import leaf_optimizers, main_params, push_to_model
+from megatron_dilocox.megatron_state import model_sharded_state_dict, unwrap
 
 # The flags that define the weights' shapes and meaning: a checkpoint loads only where they agree.
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -67,16 +70,9 @@ def coordinates(args, topo) -> dict:
             "dp": topo.inner_dp_rank}
 
 
-def unwrap(chunk):
-    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
-
-
-def model_sharded_state_dict(model) -> dict:
-    """megatron's sharded state dict of every model chunk (keys are layout-independent)."""
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+# The entries of the trainer's state dict that go into the per-rank file (the others, its
+# ``eval_round`` and ``scheduler``, into the manifest).
+RANK_STATE = ("main_params", "optimizers", "window_loss", "dilocox")
 
 
 def _rng_state() -> dict:
@@ -141,28 +137,22 @@ def _described(args) -> dict:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _metadata(trainer, iteration: int) -> dict:
-    args = trainer.args
+def _metadata(args, topo, iteration: int, state: dict) -> dict:
     dilocox = None
-    if trainer.dilocox is not None:
-        sync = trainer.dilocox.sync
-        dilocox = {"outer_step": sync.outer_step, "sync_mode": args.dilocox_sync_mode,
-                   "compression": args.dilocox_compression, "local_steps": trainer.dilocox.local_steps,
-                   "next_boundary": trainer.dilocox.next_boundary}
-    return {"kind": "training", "iteration": iteration, "eval_round": trainer.eval_round,
+    if state["dilocox"] is not None:
+        outer = state["dilocox"]
+        dilocox = {"outer_step": outer["sync"]["outer_step"], "sync_mode": args.dilocox_sync_mode,
+                   "compression": args.dilocox_compression, "local_steps": outer["local_steps"],
+                   "next_boundary": outer["next_boundary"]}
+    return {"kind": "training", "iteration": iteration, "eval_round": state["eval_round"],
             "consumed_samples": iteration * args.global_batch_size,
-            "global_batch_size": args.global_batch_size, "scheduler": trainer.scheduler.state_dict(),
-            "layout": layout(args, trainer.topo), "dilocox": dilocox, **_described(args)}
+            "global_batch_size": args.global_batch_size, "scheduler": state["scheduler"],
+            "layout": layout(args, topo), "dilocox": dilocox, **_described(args)}
 
 
-def _rank_state(trainer, iteration: int) -> dict:
-    return {"iteration": iteration,
-            "coordinates": coordinates(trainer.args, trainer.topo),
-            "main_params": main_params(trainer.optimizer),
-            "optimizers": [opt.optimizer.state_dict() for opt in leaf_optimizers(trainer.optimizer)],
-            "rng": _rng_state(),
-            "window_loss": trainer.window_loss,
-            "dilocox": None if trainer.dilocox is None else trainer.dilocox.state_dict()}
+def _rank_state(args, topo, iteration: int, state: dict) -> dict:
+    return {"iteration": iteration, "coordinates": coordinates(args, topo), "rng": _rng_state(),
+            **{key: state[key] for key in RANK_STATE}}
 
 
 def _write_collectively(root, iteration: int, metadata: dict, write, keep: int = -1) -> Path:
@@ -196,24 +186,25 @@ def _write_collectively(root, iteration: int, metadata: dict, write, keep: int =
     return files.iteration_dir(root, iteration)
 
 
-def save(trainer, iteration: int) -> Path:
-    """Writes the training checkpoint of ``iteration`` (collective: every rank calls it)."""
-    start = time.perf_counter()
+def save(args, topo, iteration: int, state: dict, weights) -> Path:
+    """Writes the training checkpoint of ``iteration`` to ``--save`` (collective: every rank
+    calls it).
 
+    ``state``: the trainer's state dict (references to live tensors: it is serialized before
+    ``weights`` is entered); ``weights()``: a context manager yielding megatron's sharded state
+    dict of the weights to keep, valid while it is open (under DiLoCoX it swaps in the global
+    parameters).
+    """
     def write(folder):
-        state = _rank_state(trainer, iteration)
+        rank_state = _rank_state(args, topo, iteration, state)
         buffer = io.BytesIO()
-        torch.save(state, buffer)
-        files.write_atomic(folder / files.rank_file(state["coordinates"]), buffer.getbuffer())
-        dilocox = trainer.dilocox
-        with dilocox.global_params(drained=True) if dilocox is not None else contextlib.nullcontext():
-            dist_checkpointing.save(model_sharded_state_dict(trainer.model), str(folder / "model"))
+        torch.save(rank_state, buffer)
+        files.write_atomic(folder / files.rank_file(rank_state["coordinates"]), buffer.getbuffer())
+        with weights() as sharded_state_dict:
+            dist_checkpointing.save(sharded_state_dict, str(folder / "model"))
 
-    final = _write_collectively(trainer.args.save, iteration, _metadata(trainer, iteration), write,
-                                trainer.args.most_recent_k)
-    trainer.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {final} "
-                         f"({time.perf_counter() - start:.1f} s)")
-    return final
+    return _write_collectively(args.save, iteration, _metadata(args, topo, iteration, state), write,
+                               args.most_recent_k)
 
 
 def save_weights(model, args, root, source: str) -> Path:
@@ -252,7 +243,7 @@ class Resume:
     """A verified checkpoint about to be loaded (collective: every rank constructs it).
 
     Call :meth:`load_weights` on the wrapped model before the optimizer is built, then
-    :meth:`restore` on the trainer.
+    :meth:`restore` with the trainer's ``load_state_dict``.
     """
 
     @classmethod
@@ -305,41 +296,26 @@ class Resume:
         if not self.exact:
             load_weights(model, self.folder)
 
-    def restore(self, trainer) -> None:
-        """Iteration, validation position and LR schedule; with an exact resume also the rank's state."""
-        trainer.start_iteration = self.iteration
-        trainer.eval_round = int(self.manifest.get("eval_round", 0))
+    def restore(self, load_state_dict) -> None:
+        """Hands ``load_state_dict`` the saved iteration, validation position and LR schedule;
+        with an exact resume then the rank's state (:data:`RANK_STATE`), and restores the RNG
+        states. ``load_state_dict`` raises AssertionError on a schedule mismatch (megatron's),
+        ValueError or KeyError on rank state it cannot take."""
+        progress = {"iteration": self.iteration, "eval_round": int(self.manifest.get("eval_round", 0))}
         if self.iteration > 0:
-            try:
-                trainer.scheduler.load_state_dict(self.manifest["scheduler"])
-            except AssertionError as err:  # megatron asserts that the schedule flags agree
-                raise CheckpointError(f"{self.folder / files.MANIFEST}: learning-rate schedule mismatch: {err}") from None
+            progress["scheduler"] = self.manifest["scheduler"]
+        try:
+            load_state_dict(progress)
+        except AssertionError as err:  # megatron asserts that the schedule flags agree
+            raise CheckpointError(f"{self.folder / files.MANIFEST}: learning-rate schedule mismatch: {err}") from None
         if not self.exact:
             return
         path = self.folder / self.rank_file
         state = torch.load(path, weights_only=True)
         error = None
         try:
-            self._restore_rank(trainer, state)
+            load_state_dict({key: state[key] for key in RANK_STATE})
+            _set_rng_state(state["rng"])
         except (ValueError, KeyError) as err:
             error = f"{path}: cannot restore: {err}"
         _all_ranks_ok(error)
-
-    @staticmethod
-    def _restore_rank(trainer, state: dict) -> None:
-        params = main_params(trainer.optimizer)
-        saved = state["main_params"]
-        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in saved]:
-            raise ValueError("main parameter shapes differ from this rank's")
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
-        for opt, opt_state in zip(leaf_optimizers(trainer.optimizer), state["optimizers"], strict=True):
-            opt.optimizer.load_state_dict(opt_state)
-        push_to_model(trainer.optimizer)
-        if (state["dilocox"] is None) != (trainer.dilocox is None):
-            raise ValueError("saved " + ("without" if state["dilocox"] is None else "with") + " --dilocox")
-        if trainer.dilocox is not None:
-            trainer.dilocox.load_state_dict(state["dilocox"])
-        trainer.window_loss.copy_(state["window_loss"])
-        _set_rng_state(state["rng"])

@@ -46,7 +46,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from megatron_dilocox.arguments import padded_vocab_size
 from megatron_dilocox.errors import ConfigError
-from megatron_dilocox.training.model import transformer_config
 
 _FAMILY_FLAGS = {  # (--position-embedding-type, --normalization, --swiglu)
     "llama": ("rope", "RMSNorm", True),
@@ -186,12 +185,13 @@ def _check_shapes(model_cls, config, state_dict, what):
                               f"{tuple(expected[name].shape)}")
 
 
-def to_hf(full_params: dict[str, torch.Tensor], args, vocab_size: int):
+def to_hf(full_params: dict[str, torch.Tensor], args, model_config: TransformerConfig, vocab_size: int):
     """Our full (TP1) parameters -> ``(transformers config, HF state dict)``.
 
     ``full_params``: every parameter by global name (:func:`gather_full_params` at TP1/PP1, or
-    all pipeline stages merged); ``args``: the run's parsed flags; ``vocab_size``: the
-    tokenizer's, before padding (the HF model gets the padded size, as our embedding has).
+    all pipeline stages merged); ``args``: the run's parsed flags; ``model_config``: the
+    model's megatron config (it states the norm epsilon); ``vocab_size``: the tokenizer's,
+    before padding (the HF model gets the padded size, as our embedding has).
     The state dict loads with ``strict=True`` into ``LlamaForCausalLM`` / ``GPT2LMHeadModel``
     built from the config; when tied, ``lm_head.weight`` is the embedding tensor itself (as in
     HF's own state dict; ``save_pretrained`` stores it once). Token ids (bos/eos/pad) are left unset: they belong to the tokenizer.
@@ -207,7 +207,7 @@ def to_hf(full_params: dict[str, torch.Tensor], args, vocab_size: int):
         raise ConfigError("GPT-2 always has linear biases: a model trained with --disable-bias-linear does not convert")
     arch = _Arch(family, args.num_layers, heads, groups, args.hidden_size // heads, bias,
                  tied=not args.untie_embeddings_and_output_weights)
-    eps = transformer_config(args).layernorm_epsilon
+    eps = model_config.layernorm_epsilon
     padded = padded_vocab_size(vocab_size, args)
     if family == "llama":
         model_cls = LlamaForCausalLM

@@ -1,7 +1,7 @@
 """Connects megatron-core's optimizer to the DiLoCoX outer loop (:mod:`megatron_dilocox.outer`).
 
 The outer loop works on the inner optimizer's fp32 main params (for the distributed optimizer:
-this rank's shard of them, see :mod:`~megatron_dilocox.training.main_params`).
+this rank's shard of them, see :mod:`~megatron_dilocox.megatron_state`).
 """
 
 import contextlib
@@ -15,15 +15,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
 from megatron_dilocox.topology import Topology, device
-from megatron_dilocox.training.main_params import (
-    main_params,
-    model_param_of,
-    push_to_model,
-    uses_distributed_optimizer,
-)
 
 
 def _delayed(reduce, delay_s: float):

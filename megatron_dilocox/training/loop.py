@@ -4,8 +4,12 @@ Per-step collectives stay inside a cluster: the schedule's pipeline p2p, DDP's g
 reduction and the optimizer's grad-norm reduction run on the cluster-local groups of
 :class:`~megatron_dilocox.topology.Topology`; the training loss is reduced only at log
 intervals, over the cluster's data-parallel group.
+
+The loop knows nothing of the checkpoint format: it is handed a ``save_checkpoint`` function
+and offers its state as :meth:`Trainer.state_dict` / :meth:`Trainer.load_state_dict`.
 """
 
+import contextlib
 import time
 from functools import partial
 
@@ -15,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dilocox import interrupt
-from megatron_dilocox.checkpoint import checkpointing
+from megatron_dilocox.megatron_state import leaf_optimizers, main_params, model_sharded_state_dict, push_to_model
 from megatron_dilocox.topology import device
 from megatron_dilocox.training.data import MicroBatches
 
@@ -36,10 +40,16 @@ def forward_step(data_iterator, model):
 
 
 class Trainer:
-    """Runs ``--train-iters`` steps, evaluating and logging as the flags say."""
+    """Runs ``--train-iters`` steps, evaluating and logging as the flags say.
+
+    ``save_checkpoint(iteration, state, weights) -> folder`` writes a checkpoint (called at
+    ``--save-interval`` and at the end when ``--save`` is set): ``state`` is :meth:`state_dict`,
+    ``weights`` a context manager factory yielding megatron's sharded state dict of the weights
+    to keep (the global ones under DiLoCoX).
+    """
 
     def __init__(self, args, topo, model, optimizer, scheduler, train_data, valid_data, logger,
-                 dilocox=None, audit=None):
+                 dilocox=None, audit=None, save_checkpoint=None):
         self.args = args
         self.topo = topo
         self.model = model
@@ -48,6 +58,7 @@ class Trainer:
         self.logger = logger
         self.dilocox = dilocox
         self.audit = audit
+        self.save_checkpoint = save_checkpoint
         self.train_batches = MicroBatches(train_data, args.global_batch_size, args.micro_batch_size,
                                           topo.data_parallel_size, topo.data_parallel_rank)
         # Each cluster evaluates the whole validation batch on its own replicas.
@@ -58,7 +69,7 @@ class Trainer:
         self.eval_round = 0
         self.final_val_loss = None
         self.eval_s = 0.0  # duration of the last evaluation
-        self.start_iteration = 0  # set by a checkpoint's restore
+        self.start_iteration = 0  # set by load_state_dict
         self.window_loss = torch.zeros(2, dtype=torch.float64)  # loss and tokens since the last log
 
     def _run_schedule(self, batches: MicroBatches, step: int, forward_only: bool):
@@ -139,17 +150,66 @@ class Trainer:
 
     def _evaluate_global(self, iteration: int) -> float:
         """Validation on the global parameters (the outer ones under DiLoCoX)."""
-        if self.dilocox is None:
+        with self._global_weights():
             return self.evaluate(iteration)
-        with self.dilocox.global_params():
-            return self.evaluate(iteration)
+
+    def state_dict(self) -> dict:
+        """This rank's training state for a checkpoint, as references (serialize it before
+        training on): the validation position, the LR schedule, the running loss window, the
+        inner optimizer's fp32 main params (the weights themselves) and states, and DiLoCoX's."""
+        return {"eval_round": self.eval_round, "scheduler": self.scheduler.state_dict(),
+                "window_loss": self.window_loss, "main_params": main_params(self.optimizer),
+                "optimizers": [opt.optimizer.state_dict() for opt in leaf_optimizers(self.optimizer)],
+                "dilocox": None if self.dilocox is None else self.dilocox.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the entries of :meth:`state_dict` that ``state`` has, plus ``iteration``
+        (where training resumes): the progress (``iteration``, ``eval_round``, ``scheduler``) and,
+        for an exact resume, all of the rest together. ValueError on a mismatch of settings."""
+        if "iteration" in state:
+            self.start_iteration = state["iteration"]
+        if "eval_round" in state:
+            self.eval_round = state["eval_round"]
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "main_params" not in state:
+            return
+        params, saved = main_params(self.optimizer), state["main_params"]
+        if [tuple(p.shape) for p in params] != [tuple(p.shape) for p in saved]:
+            raise ValueError("main parameter shapes differ from this rank's")
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        for opt, opt_state in zip(leaf_optimizers(self.optimizer), state["optimizers"], strict=True):
+            opt.optimizer.load_state_dict(opt_state)
+        push_to_model(self.optimizer)
+        if (state["dilocox"] is None) != (self.dilocox is None):
+            raise ValueError("saved " + ("without" if state["dilocox"] is None else "with") + " --dilocox")
+        if self.dilocox is not None:
+            self.dilocox.load_state_dict(state["dilocox"])
+        self.window_loss.copy_(state["window_loss"])
+
+    @contextlib.contextmanager
+    def _global_weights(self, drained: bool = False):
+        """The global weights (the outer ones under DiLoCoX; ``drained``: with the in-flight
+        round applied) in the model while open."""
+        with self.dilocox.global_params(drained) if self.dilocox is not None else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def _saved_weights(self):
+        """megatron's sharded state dict of the weights a checkpoint keeps."""
+        with self._global_weights(drained=True):
+            yield model_sharded_state_dict(self.model)
 
     def save(self, iteration: int) -> float:
         """Saves a checkpoint; returns the seconds it took (kept out of the throughput figures)."""
         self._phase("checkpoint")
         start = time.perf_counter()
-        checkpointing.save(self, iteration)
-        return time.perf_counter() - start
+        folder = self.save_checkpoint(iteration, self.state_dict(), self._saved_weights)
+        took = time.perf_counter() - start
+        self.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {folder} ({took:.1f} s)")
+        return took
 
     def train(self) -> None:
         args = self.args

@@ -17,6 +17,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_dilocox.megatron_state import unwrap
 from megatron_dilocox.topology import Topology
 
 
@@ -201,9 +202,7 @@ def gather_full_params(chunks, tied: bool) -> dict[str, torch.Tensor]:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     full = {}
-    for chunk in chunks:
-        while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-            chunk = chunk.module
+    for chunk in map(unwrap, chunks):
         for param, name in _global_names(chunk, tied).items():
             tensor = param.detach().float()
             if getattr(param, "tensor_model_parallel", False) and tp_size > 1:

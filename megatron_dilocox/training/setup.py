@@ -1,6 +1,12 @@
-"""From parsed flags to a running job: process groups, data, model, optimizers, loop."""
+"""From parsed flags to a running job: process groups, data, model, optimizers, loop.
+
+The entry point's layer, and the only module of ``training/`` that imports ``checkpoint/``
+(which never imports ``training/``): it wires the two, handing a resumed checkpoint's state to
+:meth:`Trainer.load_state_dict` and :func:`checkpointing.save` to the trainer.
+"""
 
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -14,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
+from megatron_dilocox.checkpoint import checkpointing  # noqa: E402
 from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir  # noqa: E402
 from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
 from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
@@ -97,10 +104,12 @@ def setup(args):
                        args.dilocox_emulated_delay_s)
                if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
-    trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit)
+    save_checkpoint = partial(checkpointing.save, args, topo) if args.save else None
+    trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,
+                      save_checkpoint)
     if resume is not None:
         logger.print(resume.describe())
-        resume.restore(trainer)
+        resume.restore(trainer.load_state_dict)
     return trainer
 
 

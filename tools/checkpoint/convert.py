@@ -53,13 +53,15 @@ def _single_process_world():
 
 
 def _build_model(args, vocab_size: int):
+    """The model at TP1/PP1 in eval mode, and its megatron config."""
     from megatron_dilocox.training.model import build_gpt_chunks, transformer_config
 
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.virtual_pipeline_model_parallel_size = None
     args.sequence_parallel = args.bf16 = False
-    (chunk,) = build_gpt_chunks(args, transformer_config(args), vocab_size)
-    return chunk.eval()
+    config = transformer_config(args)
+    (chunk,) = build_gpt_chunks(args, config, vocab_size)
+    return chunk.eval(), config
 
 
 def _args_from_manifest(manifest: dict) -> argparse.Namespace:
@@ -92,10 +94,10 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     vocab = manifest["model"]["padded_vocab_size"]
     family = hf.hf_family(args)
     _single_process_world()
-    chunk = _build_model(args, vocab)
+    chunk, model_config = _build_model(args, vocab)
     load_weights([chunk], folder)
     tied = not args.untie_embeddings_and_output_weights
-    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), args, vocab)
+    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), args, model_config, vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
     out = Path(save)
@@ -131,7 +133,7 @@ def from_hf(load: str, save: str) -> None:
         "--lr", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(flags["vocab_size"])])
     args.padded_vocab_size = padded_vocab_size(flags["vocab_size"], args)
     _single_process_world()
-    chunk = _build_model(args, args.padded_vocab_size)
+    chunk, _ = _build_model(args, args.padded_vocab_size)
     ours = dict(chunk.named_parameters())
     if set(ours) != set(params):
         _fail(f"{load}: converted names do not match the model: {sorted(set(ours) ^ set(params))[:5]}")
