@@ -41,8 +41,27 @@ def _checked_rounds(trainer, info):
         dist.all_gather_object(everyone, digest, group=trainer.topo.outer_group)
         assert len(set(everyone)) == 1, f"global params differ across clusters after iteration {iteration}"
         info["hash_checks"] += 1
-        info["rounds"].append({"skipped": record["skipped"], "base_kept": digest == before,
+        info["rounds"].append({"skipped": record.skipped, "base_kept": digest == before,
                                "at_base": bool(torch.equal(sync.round_start, sync.base))})
+        return record
+
+    trainer.dilocox.step = step
+
+
+def _measured_norms(trainer, info, tied):
+    """Test hook for one-stage, TP1 layouts in sync mode, where every rank holds its replica's
+    whole model and a round starts from the weights the previous boundary left: the distance each
+    round moved them, from the model's full weights alone, to check the logged pseudo-gradient norm."""
+    boundary = trainer.dilocox.step
+    start = gather_full_params(trainer.model, tied)
+    info["round_norms"] = []
+
+    def step(iteration):
+        nonlocal start
+        now = gather_full_params(trainer.model, tied)
+        info["round_norms"].append(sum(float((start[n] - now[n]).double().pow(2).sum()) for n in now) ** 0.5)
+        record = boundary(iteration)
+        start = gather_full_params(trainer.model, tied)
         return record
 
     trainer.dilocox.step = step
@@ -83,6 +102,8 @@ def run(spec, out):
         if "inject_nan" in spec:
             _inject_nan(trainer, spec["inject_nan"])
         _checked_rounds(trainer, info)
+        if spec.get("measure_norms"):
+            _measured_norms(trainer, info, tied=not args.untie_embeddings_and_output_weights)
     trainer.train()
     info["final_val_loss"] = trainer.final_val_loss
     info["start_iteration"] = trainer.start_iteration

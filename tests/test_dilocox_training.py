@@ -40,6 +40,8 @@ def runs(tmp_path_factory):
     specs.append({"name": "topk", "flags": MODEL + LAYOUTS["pp2"] + TOPK})
     specs.append({"name": "pp2_landing", "flags": MODEL + LAYOUTS["pp2"] + LANDING})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
+    # TP1/PP1: DP_in = 2 per cluster, without the distributed optimizer.
+    specs.append({"name": "dp2", "flags": MODEL + ["--dilocox-sync-mode", "sync"], "measure_norms": True})
     specs += [{"name": name, "flags": MODEL + flags, "inject_nan": {"rank": 0, "iteration": H}}
               for name, (flags, _) in NAN_RUNS.items()]
     (out / "spec.json").write_text(json.dumps(specs))
@@ -165,6 +167,16 @@ def test_adaptive_local_steps(runs):
     assert [(r["iteration"], r["local_steps"]) for r in rounds] == [(3, 3), (6, 6)]
     infos = [json.loads((runs / f"adaptive_h.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == 2 for info in infos)
+
+
+def test_pseudo_grad_norm_with_inner_data_parallelism(runs):
+    """DP_in = 2 without the distributed optimizer: the logged norm is that of the cluster's whole
+    pseudo-gradient, the distance each round moved one replica's full weights (measured from the
+    model alone by the writing rank, which holds all of them)."""
+    rounds = [r for r in read_jsonl(runs / "dp2.metrics.jsonl") if "outer_step" in r]
+    measured = json.loads((runs / "dp2.info.3.json").read_text())["round_norms"]
+    assert len(rounds) == len(measured) == ITERS // H
+    assert [r["pseudo_grad_norm"] for r in rounds] == pytest.approx(measured, rel=1e-4)
 
 
 @pytest.mark.parametrize("name", list(NAN_RUNS))

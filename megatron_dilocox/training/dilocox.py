@@ -17,8 +17,9 @@ from megatron.core import parallel_state
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
-from megatron_dilocox.outer.sync import ByteCounter, OuterSync, allreduce_mean
+from megatron_dilocox.outer.sync import ByteCounter, OuterSync, RoundStats, allreduce_mean
 from megatron_dilocox.topology import Topology, device
+from megatron_dilocox.training.round_record import CodecRound, OuterRound
 
 
 def _delayed(reduce, delay_s: float):
@@ -33,10 +34,13 @@ class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
     def __init__(self, optimizer, topo: Topology, config: DiLoCoXConfig,
-                 compression: CompressionConfig, seed: int = 0, emulated_delay_s: float = 0.0):
+                 compression: CompressionConfig, seed: int = 0, emulated_delay_s: float = 0.0, audit=None):
+        """``audit``: the run's :class:`~megatron_dilocox.comm_audit.CommAudit` (with clusters),
+        whose count of bytes sent across clusters outside boundaries each round's record carries."""
         self.optimizer = optimizer
         self.topo = topo
         self.config = config
+        self.audit = audit
         self.params = main_params(optimizer)
         self._check_identical_start()
         self._tied_index = self._find_tied_embedding()
@@ -121,64 +125,66 @@ class DiLoCoX:
         push_to_model(self.optimizer)
         self.next_landing = None
 
-    def _adapt_local_steps(self, record: dict) -> None:
+    def _adapt_local_steps(self, comm_s: float, compute_s: float) -> None:
         """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
 
         Every rank of every cluster must decide alike, so the decision uses the maxima over the
         world of the measured exchange time and time per step (one 16-byte reduction per round).
         """
-        measured = torch.tensor([record["comm_s"], record["round_compute_s"] / self.local_steps],
-                                dtype=torch.float64, device=device())
+        measured = torch.tensor([comm_s, compute_s / self.local_steps], dtype=torch.float64, device=device())
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         comm_s, step_s = measured.tolist()
         wanted = math.ceil(1.2 * comm_s / step_s) if step_s > 0 else self.local_steps
         self.local_steps = min(max(wanted, self.config.min_local_steps or 1), self.config.max_local_steps)
 
     def _norm(self, sq: float) -> float:
-        """Global pseudo-gradient norm: sums the per-rank squares over this rank's cluster.
+        """The cluster's whole pseudo-gradient norm from this rank's squared shard norm, summed
+        over the ranks that hold one replica's distinct shards: the whole cluster with the
+        distributed optimizer (each data-parallel rank owns a shard of the main params), the
+        model-parallel group without it (each data-parallel rank holds the whole replica).
 
         Parameters replicated across tensor-parallel ranks (norms, biases) count once per TP rank.
         """
         group = self.topo.cluster_group if uses_distributed_optimizer(self.optimizer) else self.topo.pg_collection.mp
         total = torch.tensor([sq], dtype=torch.float64, device=device())
         dist.all_reduce(total, group=group)
-        if not uses_distributed_optimizer(self.optimizer):
-            total /= self.topo.inner_dp_size
         return float(total.sqrt())
 
-    def _record(self, stats, drain=False) -> dict:
-        record = dict(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
-                      comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
-                      skipped=stats.skipped, drain=drain)
-        if self.compressor is not None and self.compressor.last_stats and stats.bytes_sent:
-            # Stats of the reduction applied at this call (in the delay modes: last round's).
-            last = self.compressor.last_stats
-            record.update(dense_bytes=last["dense_bytes"], compression_ratio=last["ratio"],
+    def _codec_round(self, stats: RoundStats) -> CodecRound | None:
+        """The compressor's account of the reduction applied at this call (in the overlapping
+        modes: the previous round's); None without compression or without a reduction."""
+        if self.compressor is None or not self.compressor.last_stats or not stats.bytes_sent:
+            return None
+        last = self.compressor.last_stats
+        return CodecRound(dense_bytes=last["dense_bytes"], compression_ratio=last["ratio"],
                           rel_error=last["rel_error"], mean_rank=last["mean_rank"],
-                          codec_s=last["encode_s"] + last["decode_s"],
-                          residual_ratio=last.get("residual_ratio"))
-        return record
+                          codec_s=last["encode_s"] + last["decode_s"], residual_ratio=last["residual_ratio"])
 
-    def step(self, iteration: int) -> dict:
-        """The round boundary after ``iteration``; returns the round's metrics record."""
+    def _record(self, stats: RoundStats, drain: bool, **boundary) -> OuterRound:
+        """The round's record (collective in the cluster: the norm); ``boundary``: the fields
+        only a boundary has, not a drain (``round_compute_s``, ``local_steps``)."""
+        between = self.audit.cross_cluster_bytes("step", "eval") if self.audit is not None else None
+        return OuterRound(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
+                          comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
+                          skipped=stats.skipped, drain=drain, compression=self._codec_round(stats),
+                          cross_cluster_bytes_between_boundaries=between, **boundary)
+
+    def step(self, iteration: int) -> OuterRound:
+        """The round boundary after ``iteration``; returns the round's record."""
         compute_s = time.perf_counter() - self._round_start_time
         stats = self.sync.step(iteration)
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
-        record = self._record(stats)
-        record["round_compute_s"] = compute_s
-        if "codec_s" in record:
-            record["codec_fraction"] = record["codec_s"] / compute_s
         if self.config.max_local_steps is not None and stats.bytes_sent:
-            self._adapt_local_steps(record)
-        record["local_steps"] = self.local_steps
+            self._adapt_local_steps(stats.comm_s, compute_s)
+        record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps)
         self.next_boundary = iteration + self.local_steps
         tau = self.config.overlap_steps
         self.next_landing = iteration + tau if tau is not None and tau < self.local_steps else None
         self._round_start_time = time.perf_counter()
         return record
 
-    def finish(self) -> dict | None:
+    def finish(self) -> OuterRound | None:
         """Drains and applies the in-flight round, so the final model holds all work."""
         stats = self.sync.finish()
         self._mirror_tied_embedding()

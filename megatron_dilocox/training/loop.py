@@ -104,13 +104,6 @@ class Trainer:
         if self.audit is not None:
             self.audit.phase = name
 
-    def _outer_round(self, record: dict) -> None:
-        """Logs a round, with the cross-cluster bytes the training thread sent outside
-        boundaries (must be 0: every per-step collective stays in the cluster)."""
-        if self.audit is not None:
-            record["cross_cluster_bytes_between_boundaries"] = self.audit.cross_cluster_bytes("step", "eval")
-        self.logger.outer_round(record)
-
     def train_step(self, step: int):
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -227,7 +220,7 @@ class Trainer:
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
-                self._outer_round(self.dilocox.step(iteration))
+                self.logger.outer_round(self.dilocox.step(iteration))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
                 self.dilocox.land()
@@ -271,7 +264,7 @@ class Trainer:
             self._phase("boundary")
             record = self.dilocox.finish()
             if record is not None:
-                self._outer_round(record)
+                self.logger.outer_round(record)
         if args.save and saved != args.train_iters and args.train_iters > self.start_iteration:
             self.save(args.train_iters)
         if args.eval_iters:

@@ -9,6 +9,7 @@ import os
 import time
 
 from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.training.round_record import OuterRound
 
 
 def _timestamp():
@@ -86,24 +87,24 @@ class MetricsLogger:
         self._record(dict(iteration=iteration, val_loss=val_loss, val_ppl=ppl, eval_s=eval_s,
                           val_loss_se=val_loss_se, val_batches=batches))
 
-    def outer_round(self, record: dict):
-        """One DiLoCoX round: ``outer_step``, ``iteration``, ``bytes_sent``, ``comm_s``, ..."""
+    def outer_round(self, r: OuterRound):
+        """One DiLoCoX round boundary (or the drain at the end)."""
         if not self.is_writer:
             return
+        c = r.compression
         self.print(
-            f" [{_timestamp()}] {'outer drain' if record['drain'] else 'outer step '} {record['outer_step']:5d}"
-            f" at iteration {record['iteration']:8d} |"
-            f" cross-cluster bytes sent: {record['bytes_sent']:12d} | comm (s): {record['comm_s']:.3f} |"
-            f" wait (s): {record['wait_s']:.3f} | pseudo-grad norm: {record['pseudo_grad_norm']:.4E} |"
-            + (f" next H: {record['local_steps']} |" if "local_steps" in record else "")
-            + (f" cross-cluster bytes between boundaries: {record['cross_cluster_bytes_between_boundaries']} |"
-               if "cross_cluster_bytes_between_boundaries" in record else "")
-            + (f" dense bytes: {record['dense_bytes']} | compression: {record['compression_ratio']:.1f}x |"
-               f" rel. error: {record['rel_error']:.3f} | mean rank: {record['mean_rank']:.2f} |"
-               f" codec (s): {record['codec_s']:.3f} |"
-               if "compression_ratio" in record else "")
-            + (" SKIPPED (non-finite) |" if record["skipped"] else ""))
-        self._record(record)
+            f" [{_timestamp()}] {'outer drain' if r.drain else 'outer step '} {r.outer_step:5d}"
+            f" at iteration {r.iteration:8d} |"
+            f" cross-cluster bytes sent: {r.bytes_sent:12d} | comm (s): {r.comm_s:.3f} |"
+            f" wait (s): {r.wait_s:.3f} | pseudo-grad norm: {r.pseudo_grad_norm:.4E} |"
+            + (f" next H: {r.local_steps} |" if r.local_steps is not None else "")
+            + (f" cross-cluster bytes between boundaries: {r.cross_cluster_bytes_between_boundaries} |"
+               if r.cross_cluster_bytes_between_boundaries is not None else "")
+            + (f" dense bytes: {c.dense_bytes} | compression: {c.compression_ratio:.1f}x |"
+               f" rel. error: {c.rel_error:.3f} | mean rank: {c.mean_rank:.2f} | codec (s): {c.codec_s:.3f} |"
+               if c is not None else "")
+            + (" SKIPPED (non-finite) |" if r.skipped else ""))
+        self._record(r.metrics())
 
     def close(self):
         if self.metrics_file:

@@ -101,7 +101,7 @@ def setup(args):
         resume.load_weights(model)  # before the optimizer copies them into its main params
     optimizer, scheduler = build_optimizer(args, model, config, topo)
     dilocox = (DiLoCoX(optimizer, topo, dilocox_config(args), compression_config(args), args.seed,
-                       args.dilocox_emulated_delay_s)
+                       args.dilocox_emulated_delay_s, audit)
                if args.dilocox else None)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
     save_checkpoint = partial(checkpointing.save, args, topo) if args.save else None

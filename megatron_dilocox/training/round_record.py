@@ -1,0 +1,77 @@
+"""The record of one DiLoCoX round boundary, as logged: built by
+:class:`~megatron_dilocox.training.dilocox.DiLoCoX`, written by
+:class:`~megatron_dilocox.training.metrics.MetricsLogger`.
+
+Everything but the pseudo-gradient norm describes the reduction *applied* at the boundary (in
+the overlapping modes: the previous round's, see docs/dilocox.md). :meth:`OuterRound.metrics`
+gives the JSON-lines record whose keys the tools read (README, "Metrics file").
+"""
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class CodecRound:
+    """What compression did to the applied reduction (this rank's shard)."""
+
+    dense_bytes: int
+    """Bytes the shard would have taken as fp32."""
+    compression_ratio: float
+    """``dense_bytes`` over the encoded payload's bytes."""
+    rel_error: float
+    """``|x - decode(encode(x))| / |x|`` of what this rank encoded (``x``: its ``delta`` plus
+    the error-feedback residual)."""
+    mean_rank: float
+    """Low-rank codecs: the mean rank of the low-rank matrices (0 without any)."""
+    codec_s: float
+    """Seconds spent encoding and decoding."""
+    residual_ratio: float
+    """Error feedback: the norm of the residual carried into the next round over ``|delta|``
+    (0 without)."""
+
+
+@dataclass(frozen=True)
+class OuterRound:
+    """One round boundary (``drain``: the in-flight round applied at the end of training)."""
+
+    outer_step: int
+    """Round boundaries passed so far (1 at the first)."""
+    iteration: int
+    """The training iteration the boundary follows."""
+    bytes_sent: int
+    """Payload bytes this rank sent to its outer group for the applied reduction."""
+    comm_s: float
+    """Wall time of that reduction, measured where it ran."""
+    wait_s: float
+    """Time the training thread blocked waiting for it."""
+    pseudo_grad_norm: float
+    """L2 norm of this cluster's whole pseudo-gradient (the replica's ``delta`` over all of its
+    shards) measured at this boundary; 0 for a drain. Parameters replicated across
+    tensor-parallel ranks (norms, biases) count once per TP rank."""
+    skipped: bool
+    """The applied average was non-finite somewhere and every rank skipped it."""
+    drain: bool
+    compression: CodecRound | None = None
+    """With a codec, when a reduction was applied."""
+    round_compute_s: float | None = None
+    """Seconds since the previous boundary (not for a drain)."""
+    local_steps: int | None = None
+    """H of the next round (not for a drain)."""
+    cross_cluster_bytes_between_boundaries: int | None = None
+    """Bytes the training thread sent across clusters outside boundaries so far (must be 0);
+    with clusters only."""
+
+    @property
+    def codec_fraction(self) -> float | None:
+        """Codec time as a fraction of the round's compute."""
+        if self.compression is None or self.round_compute_s is None:
+            return None
+        return self.compression.codec_s / self.round_compute_s
+
+    def metrics(self) -> dict:
+        """The metrics-file record: the fields by name, compression's flattened, ``codec_fraction``
+        added; fields that do not apply (None) left out."""
+        record = asdict(self)
+        record.update(record.pop("compression") or {})
+        record["codec_fraction"] = self.codec_fraction
+        return {key: value for key, value in record.items() if value is not None}
