@@ -71,6 +71,9 @@ def main(argv=None) -> int:
         return _error(str(err))
     interrupt.install()
     try:
+        from megatron_dilocox.platform import cpu
+
+        cpu.prepare()  # before megatron-core is imported: without CUDA it must see the CPU
         from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
 
         run(args)

@@ -120,8 +120,3 @@ def build_topology(tp: int, pp: int, vpp: int | None, clusters: int = 1, dilocox
         outer_group=outer_group,
         outer_reduce_group=outer_reduce_group,
     )
-
-
-def device() -> torch.device:
-    """The device this rank computes on."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -18,6 +18,7 @@ from megatron_dilocox.arguments import dilocox_config, padded_vocab_size, parse_
 from megatron_dilocox.data.tokenizer import build_tokenizer
 from megatron_dilocox.megatron_state import main_params
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
+from megatron_dilocox.platform import cpu
 from megatron_dilocox.topology import build_topology, init_distributed
 from megatron_dilocox.training.data import MicroBatches, build_datasets
 from megatron_dilocox.training.loop import Trainer
@@ -72,6 +73,7 @@ def run(spec, out):
 
 def main():
     out, spec_path = sys.argv[1], sys.argv[2]
+    cpu.prepare()
     init_distributed("gloo", 10)
     with open(spec_path) as f:
         for spec in json.load(f):

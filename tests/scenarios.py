@@ -20,11 +20,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import parse_args
-from megatron_dilocox.errors import ConfigError
-from megatron_dilocox.training.setup import setup
-from megatron_dilocox.training.model import gather_full_params
-from megatron.core import parallel_state
+from megatron_dilocox.platform import cpu
+
+cpu.prepare()  # before megatron-core is imported
+from megatron_dilocox.arguments import parse_args  # noqa: E402
+from megatron_dilocox.errors import ConfigError  # noqa: E402
+from megatron_dilocox.training.setup import setup  # noqa: E402
+from megatron_dilocox.training.model import gather_full_params  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 
 
 def _checked_rounds(trainer, info):

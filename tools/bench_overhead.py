@@ -18,9 +18,12 @@ import time
 
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import parse_args
-from megatron_dilocox.training.setup import setup
-from megatron_dilocox.training.loop import forward_step
+from megatron_dilocox.platform import cpu
+
+cpu.prepare()  # before megatron-core is imported
+from megatron_dilocox.arguments import parse_args  # noqa: E402
+from megatron_dilocox.training.setup import setup  # noqa: E402
+from megatron_dilocox.training.loop import forward_step  # noqa: E402
 
 
 def bare_step(trainer, batches):

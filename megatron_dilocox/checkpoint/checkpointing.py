@@ -39,6 +39,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron_dilocox.checkpoint import files
 from megatron_dilocox.errors import CheckpointError
 from megatron_dilocox.megatron_state import model_sharded_state_dict, unwrap
+from megatron_dilocox.platform.backend import on_cuda
 
 # The flags that define the weights' shapes and meaning: a checkpoint loads only where they agree.
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -80,7 +81,7 @@ def _rng_state() -> dict:
     return {"python": random.getstate(),
             "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state() if on_cuda() else None,
             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
@@ -89,7 +90,7 @@ def _set_rng_state(state: dict) -> None:
     kind, keys, *rest = state["numpy"]
     numpy.random.set_state((kind, keys.numpy(), *rest))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and on_cuda():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

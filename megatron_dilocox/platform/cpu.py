@@ -10,9 +10,11 @@ name is torch's own function, so model compute costs exactly what it costs witho
 which is safe only because CUDA is absent: ``.cuda()`` returns the tensor itself, and
 ``.type()`` reports CPU tensors under their CUDA type name.
 
-:func:`install` does nothing when CUDA is available; it also silences megatron-core's warnings
-that are expected on CPU (missing Transformer Engine and apex, CUDA stream advice): :data:`NOTE` is
-the one line that says so instead.
+:func:`install` does nothing when CUDA is available (as :mod:`.backend` decides); it also
+silences megatron-core's warnings that are expected on CPU (missing Transformer Engine and apex,
+CUDA stream advice): :data:`NOTE` is the one line that says so instead. An entry point calls
+:func:`prepare` before it imports megatron-core; nothing installs the bridge as a side effect of
+an import.
 """
 
 import functools
@@ -23,6 +25,8 @@ import types
 import warnings
 
 import torch
+
+from megatron_dilocox.platform.backend import on_cuda
 
 # Every megatron-core module, including those imported later, gets the CPU view of torch.
 _PREFIX = "megatron.core"
@@ -156,7 +160,7 @@ def install() -> bool:
     Idempotent. A no-op (returns False) when CUDA is available.
     """
     global _installed
-    if torch.cuda.is_available():
+    if on_cuda():
         return False
     if _installed:
         return True
@@ -172,3 +176,16 @@ def install() -> bool:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     _installed = True
     return True
+
+
+def installed() -> bool:
+    """Whether :func:`install` made megatron-core run on CPU in this process."""
+    return _installed
+
+
+def prepare() -> bool:
+    """An entry point's one call before it imports megatron-core: silences megatron-core's
+    warnings about missing Transformer Engine and apex and, without CUDA, installs the bridge.
+    Returns True when the bridge is active."""
+    quiet_fallback_warnings()
+    return install()

@@ -18,7 +18,8 @@ from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, RoundStats, allreduce_mean
-from megatron_dilocox.topology import Topology, device
+from megatron_dilocox.platform.backend import device
+from megatron_dilocox.topology import Topology
 from megatron_dilocox.training.round_record import CodecRound, OuterRound
 
 

@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dilocox import interrupt
 from megatron_dilocox.megatron_state import leaf_optimizers, main_params, model_sharded_state_dict, push_to_model
-from megatron_dilocox.topology import device
+from megatron_dilocox.platform.backend import device
 from megatron_dilocox.training.data import MicroBatches
 
 

@@ -18,13 +18,14 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dilocox.megatron_state import unwrap
+from megatron_dilocox.platform.backend import on_cuda
 from megatron_dilocox.topology import Topology
 
 
 def transformer_config(args) -> TransformerConfig:
     """megatron-core's TransformerConfig from Megatron-LM style flags."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = not on_cuda()
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -76,7 +77,7 @@ def _chunk_stages(vp_stage):
 
 def layer_spec(args):
     """Transformer Engine's layer spec with CUDA when it imports, megatron's local one otherwise."""
-    if torch.cuda.is_available():
+    if on_cuda():
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
@@ -174,7 +175,7 @@ def initialize_parameters(chunks, config: TransformerConfig, seed: int, tied: bo
 def wrap_ddp(chunks, config: TransformerConfig, topo: Topology, use_distributed_optimizer: bool):
     """Moves the chunks to the GPU (if any), wraps them for bf16, then in megatron-core DDP over
     the cluster-local data-parallel group; sets the schedule hooks."""
-    if torch.cuda.is_available():
+    if on_cuda():
         chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     if config.bf16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]

@@ -3,6 +3,9 @@
 The entry point's layer, and the only module of ``training/`` that imports ``checkpoint/``
 (which never imports ``training/``): it wires the two, handing a resumed checkpoint's state to
 :meth:`Trainer.load_state_dict` and :func:`checkpointing.save` to the trainer.
+
+Without CUDA, megatron-core runs here only through the CPU bridge, which the entry point
+installs first (:func:`megatron_dilocox.platform.cpu.prepare`); importing this module does not.
 """
 
 import os
@@ -10,33 +13,23 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_dilocox.platform import cpu
-
-cpu.quiet_fallback_warnings()
-ON_CPU = cpu.install()  # before megatron-core is used: it must see CPU where it expects CUDA
-
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
-
-from megatron_dilocox.checkpoint import checkpointing  # noqa: E402
-from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir  # noqa: E402
-from megatron_dilocox.comm_audit import CommAudit  # noqa: E402
-from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, validate_world  # noqa: E402
-from megatron_dilocox.data.tokenizer import build_tokenizer  # noqa: E402
-from megatron_dilocox.errors import ConfigError  # noqa: E402
-from megatron_dilocox.topology import build_topology, init_distributed  # noqa: E402
-from megatron_dilocox.training.data import build_datasets  # noqa: E402
-from megatron_dilocox.training.dilocox import DiLoCoX  # noqa: E402
-from megatron_dilocox.training.loop import Trainer  # noqa: E402
-from megatron_dilocox.training.metrics import MetricsLogger  # noqa: E402
-from megatron_dilocox.training.model import (  # noqa: E402
-    build_gpt_chunks,
-    initialize_parameters,
-    transformer_config,
-    wrap_ddp,
-)
+from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, validate_world
+from megatron_dilocox.checkpoint import checkpointing
+from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir
+from megatron_dilocox.comm_audit import CommAudit
+from megatron_dilocox.data.tokenizer import build_tokenizer
+from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.platform import backend, cpu
+from megatron_dilocox.topology import build_topology, init_distributed
+from megatron_dilocox.training.data import build_datasets
+from megatron_dilocox.training.dilocox import DiLoCoX
+from megatron_dilocox.training.loop import Trainer
+from megatron_dilocox.training.metrics import MetricsLogger
+from megatron_dilocox.training.model import build_gpt_chunks, initialize_parameters, transformer_config, wrap_ddp
 
 
 def build_optimizer(args, model, config, topo):
@@ -72,12 +65,13 @@ def build_optimizer(args, model, config, topo):
 
 def setup(args):
     """Builds everything a :class:`Trainer` needs."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    init_distributed(backend, args.distributed_timeout_minutes)
+    if not backend.on_cuda() and not cpu.installed():
+        raise RuntimeError("megatron-core needs the CPU bridge here: call megatron_dilocox.platform.cpu.prepare() "
+                           "before importing megatron-core")
+    backend.use_local_device()
+    init_distributed(backend.process_group_backend(args.distributed_backend), args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
-    staged = args.dilocox_offload_outer_state and torch.cuda.is_available()
+    staged = args.dilocox_offload_outer_state and backend.on_cuda()
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox,
                           args.dilocox_outer_timeout_s, outer_backend="gloo" if staged else None)
@@ -125,12 +119,12 @@ def describe(args, topo) -> str:
 
 def run(args) -> None:
     trainer = setup(args)
-    if ON_CPU:
+    if cpu.installed():
         trainer.logger.print(cpu.NOTE)
     trainer.logger.print(f"> {describe(args, trainer.topo)}; {args.train_iters} iterations, "
                          f"global batch {args.global_batch_size} x {args.seq_length} tokens")
     trainer.train()
-    if torch.cuda.is_available():
+    if backend.on_cuda():
         trainer.logger.print(f"> peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if args.metrics_file:
         trainer.logger.print(f"> metrics written to {os.path.abspath(args.metrics_file)}")
