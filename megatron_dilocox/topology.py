@@ -12,7 +12,6 @@ holds the ``C`` ranks, one per cluster, that own the same parameter shard.
 import datetime
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection

@@ -16,11 +16,11 @@ state start fresh from those weights, and the log says so.
 
 A run owns its ``--save`` directory from start to exit (:func:`lock_save_dir`).
 
-This package never imports ``training/``: what it saves and restores arrives as plain dicts
-(``Trainer.state_dict()``, whose keys are listed in :data:`RANK_STATE`, plus the manifest's
-``eval_round`` and ``scheduler``) and megatron's sharded state dicts, through the adapter
-below both (:mod:`megatron_dilocox.megatron_state`). The wiring of the two is the entry
-point's (``training/setup.py``).
+This package never imports ``training/``. What it saves and restores is plain dicts, the
+trainer's state dict (its ``eval_round`` and ``scheduler`` go into the manifest, the entries
+named in :data:`RANK_STATE` into the rank's file), and megatron's sharded state dicts, through
+the adapter below both (:mod:`megatron_dilocox.megatron_state`). The entry point's layer
+(``training/setup.py``) wires the two.
 """
 
 import atexit
