@@ -10,7 +10,7 @@ import argparse
 import math
 import os
 
-from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.config import CODECS, DEFAULT_OVERLAP_STEPS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.errors import ConfigError
 
 
@@ -166,12 +166,14 @@ def _dilocox_args(parser):
                    help="Adapt H after every round (within these bounds) so that one round's exchange fits "
                         "inside the next round's compute; H starts at --dilocox-local-steps.")
     g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
-                   help="eager: one-step-delay overlap, keep 1/C of the fresh local progress (the replica's "
-                        "share of the coming average); delay: the same overlap, keep all of it; "
-                        "sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).")
+                   help="delay: one-step-delay overlap, the replica trains on from where it is while the "
+                        "average is on its way; eager: the same overlap, restart from base plus 1/C of the "
+                        "fresh local progress; sync: blocking DiLoCo; delay-naive: ablation that drops fresh "
+                        "local progress (unstable).")
     g.add_argument("--dilocox-overlap-steps", type=int, default=None,
-                   help="delay/eager: apply a round's average this many inner steps into the next round "
-                        "(the exchange must finish by then) instead of at the next boundary.")
+                   help=f"delay/eager: apply a round's average this many inner steps into the next round (the "
+                        f"exchange must finish by then); H or more: at the next boundary (default "
+                        f"{DEFAULT_OVERLAP_STEPS}; with adaptive H: the next boundary).")
     g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
     g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
                    help="Outer SGD momentum (0: plain SGD; Nesterov when > 0 unless --dilocox-no-nesterov).")

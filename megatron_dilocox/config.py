@@ -21,6 +21,11 @@ def default_error_feedback(codec: str) -> bool:
     return codec == "topk"
 
 
+DEFAULT_OVERLAP_STEPS = 1
+"""``--dilocox-overlap-steps`` when not given: the average lands one inner step into the next
+round (closest to blocking ``sync`` of the overlapped settings measured, docs/convergence.md)."""
+
+
 @dataclass
 class DiLoCoXConfig:
     """Settings of the DiLoCoX outer loop (the ``--dilocox-*`` flags)."""
@@ -41,29 +46,34 @@ class DiLoCoXConfig:
     the fewest steps whose compute covers the slowest measured exchange (with 20% margin), so one
     round's communication hides inside the next round's training. ``--dilocox-max-local-steps``."""
 
-    sync_mode: str = "eager"
+    sync_mode: str = "delay"
     """Overlap policy at a round boundary. ``--dilocox-sync-mode``.
 
     ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
-    ``delay``: one-step-delay overlap; apply the previous round's average and keep the
-    replica's own fresh progress.
-    ``eager`` (the default): as ``delay``, but keep only the replica's 1/C share of its fresh
-    progress (the part of the coming average it already knows); below ``delay`` in every
-    measurement (docs/benchmarks.md, docs/convergence.md).
+    ``delay`` (the default): one-step-delay overlap; the replica trains on from where it is (its
+    own fresh progress kept) while the round's average is on its way, and swaps that progress for
+    the average when it lands (:attr:`overlap_steps`).
+    ``eager``: as ``delay``, but the replica keeps only its 1/C share of its fresh progress (the
+    part of the coming average it already knows); better than ``delay`` when the average lands
+    only at the next boundary, worse when it lands within a step or two: the replica's first steps
+    after the boundary start from a point it never trained at (docs/convergence.md).
     ``delay-naive``: ablation of ``delay`` that drops the fresh progress; unstable with the
     default outer settings, never use it for real runs.
     """
 
     overlap_steps: int | None = None
     """``delay`` and ``eager``: inner steps a round's exchange overlaps before its average is
-    applied (:meth:`~megatron_dilocox.outer.sync.OuterSync.land`); None: the whole next round,
-    applied at the next boundary. Fewer steps put the average into the replicas sooner; the
-    exchange must finish within them or training waits for it. ``--dilocox-overlap-steps``."""
+    applied (:meth:`~megatron_dilocox.outer.sync.OuterSync.land`); H or more: at the next
+    boundary. None: :data:`DEFAULT_OVERLAP_STEPS` (with adaptive H, the next boundary: H is then
+    sized to hide the exchange in a whole round). The exchange must finish within these steps or
+    training waits for it (the round's ``wait_s``; tools/plan.py shows whether it hides).
+    ``--dilocox-overlap-steps``."""
 
     outer_lr: float = 1.0
     """Learning rate of the outer SGD. ``--dilocox-outer-lr``. 1.0 without momentum (the mean of
-    the replicas' progress, applied as it is) by measurement: DiLoCo's Nesterov 0.7 / 0.9 stalled
-    at H=10 (docs/convergence.md), as it did in the slow-link tuning (docs/benchmarks.md)."""
+    the replicas' progress, applied as it is) by measurement at H=10 (docs/convergence.md): 1.5
+    and outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled); 0.7 helped uncompressed
+    blocking DiLoCo a little but lost with the default codec."""
 
     outer_momentum: float = 0.0
     """Momentum of the outer SGD, in [0, 1); 0 is plain SGD. ``--dilocox-outer-momentum``."""
@@ -81,6 +91,17 @@ class DiLoCoXConfig:
     outer_timeout_s: float = 3600.0
     """Seconds a round boundary waits for the cross-cluster reduction before failing
     (a dead peer cluster must not hang training forever). ``--dilocox-outer-timeout-s``."""
+
+    @property
+    def landing(self) -> int | None:
+        """Inner steps into a round at which the previous round's average is applied, or None
+        where it is applied at the boundary (``sync``, ``delay-naive``, adaptive H by default);
+        the training loop lands it at the boundary as well when this is not below the round's H."""
+        if self.sync_mode not in ("delay", "eager"):
+            return None
+        if self.overlap_steps is None:
+            return None if self.max_local_steps is not None else DEFAULT_OVERLAP_STEPS
+        return self.overlap_steps
 
     @property
     def use_nesterov(self) -> bool:
@@ -115,9 +136,8 @@ class DiLoCoXConfig:
             if self.sync_mode not in ("delay", "eager"):
                 raise ValueError("--dilocox-overlap-steps needs --dilocox-sync-mode delay or eager, "
                                  f"got {self.sync_mode}")
-            if not 1 <= self.overlap_steps < (self.max_local_steps or self.local_steps):
-                raise ValueError("--dilocox-overlap-steps must be >= 1 and below H (--dilocox-local-steps, or "
-                                 f"--dilocox-max-local-steps when adaptive), got {self.overlap_steps}")
+            if self.overlap_steps < 1:
+                raise ValueError(f"--dilocox-overlap-steps must be >= 1, got {self.overlap_steps}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--dilocox-outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -68,8 +68,9 @@ ranks) / bandwidth.
   values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D dense; ``topk``:
   chunked indices, codes and scales of the flat shard, ``outer/compression/topk.py``).
   ``none`` is an fp32 ring all-reduce (``2 (C - 1) / C * payload`` on the wire); the codecs
-  all-gather (``(C - 1) * payload``). With ``delay`` mode the exchange overlaps the next round:
-  round time = max(H * step, exchange); ``sync`` mode adds them. Codec compute (measured 1.3-2.1%
+  all-gather (``(C - 1) * payload``). In the overlapped modes the exchange hides behind the
+  steps before its average lands (``T`` = ``--dilocox-overlap-steps``, at most H): round time =
+  H * step + max(0, exchange - T * step); ``sync`` mode adds the whole exchange. Codec compute (measured 1.3-2.1%
   of a round's compute on CPU) is ignored. With the distributed optimizer the outer shard of a
   matrix is modelled as (m / DP_in, n); the real shard is a flat range cut across tensors.
 * Throughput ratio = (H * AllReduce step) / DiLoCoX round time, at equal tokens.
@@ -267,7 +268,12 @@ class DiLoCoXSettings:
     topk_chunk: int = CompressionConfig.topk_chunk
     sync_mode: str = DiLoCoXConfig.sync_mode
     overlap_steps: int | None = DiLoCoXConfig.overlap_steps
-    """Inner steps of the next round the exchange overlaps (None: all H; ``sync``: none)."""
+    """``--dilocox-overlap-steps`` (None: the default, :attr:`DiLoCoXConfig.landing`)."""
+
+    @property
+    def landing(self) -> int | None:
+        """Inner steps into the next round at which an average lands (None: at the boundary)."""
+        return DiLoCoXConfig(sync_mode=self.sync_mode, overlap_steps=self.overlap_steps).landing
     error_feedback: bool | None = None
     """None: the codec's default (on for topk only)."""
     offload_outer_state: bool = False
@@ -429,7 +435,7 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     exchange = dl_link / inter_bw
     h_steps = d.local_steps
     compute_round = h_steps * step
-    window = 0 if d.sync_mode == "sync" else (d.overlap_steps or h_steps) * step
+    window = 0 if d.sync_mode == "sync" else min(d.landing or h_steps, h_steps) * step
     rnd = compute_round + max(0.0, exchange - window)  # training waits for what the window does not hide
     p.dilocox = dict(payload_per_rank=max(payload), payload_per_stage=payload,
                      sent_per_rank_per_round=max(sent), sent_per_stage=sent,
@@ -534,12 +540,12 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
         f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
         f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, "
         f"{f'density {d.topk_density:g}' if d.compression == 'topk' else f'rank {d.rank}'}, "
-        f"H {d.local_steps}, {d.sync_mode}{f', lands after {d.overlap_steps}' if d.overlap_steps else ''}): "
+        f"H {d.local_steps}, {d.sync_mode}{f', lands after {d.landing}' if d.landing else ''}): "
         f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
         f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "
         f"per rank per step",
         f"  exchange {_fmt_s(p.dilocox['exchange'])} vs round compute {_fmt_s(p.dilocox['round_compute'])}"
-        f"{f' (overlap window {d.overlap_steps} steps)' if d.overlap_steps and d.sync_mode != 'sync' else ''}"
+        f"{f' (overlap window {min(d.landing, d.local_steps)} steps)' if d.landing else ''}"
         f" ({'hidden' if p.dilocox['hidden'] else 'NOT hidden'}) -> round {_fmt_s(p.dilocox['round'])}",
         f"throughput DiLoCoX / AllReduce: {p.ratio:,.1f}x",
     ]

@@ -64,7 +64,7 @@ def run(spec, out):
             r.train_step(iteration - 1)
         if iteration % cfg.local_steps == 0:
             ref.step(params)
-        elif iteration > cfg.local_steps and iteration % cfg.local_steps == cfg.overlap_steps:
+        elif cfg.landing and iteration > cfg.local_steps and iteration % cfg.local_steps == cfg.landing:
             ref.land(params)
     ref.finish(params)
     torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.reference.pt")

@@ -30,7 +30,7 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
          "--untie-embeddings-and-output-weights", "--num-query-groups", "2"]
 # name: (flags, iteration to stop at). Delay stops mid-round, with a reduction in flight.
 RESUMED = {"vanilla": (VANILLA, 4),
-           "delay": (DILOCOX + ["--dilocox-sync-mode", "delay"], 5),
+           "delay": (DILOCOX + ["--dilocox-sync-mode", "delay", "--dilocox-overlap-steps", "2"], 5),  # lands at boundaries
            "sync": (DILOCOX + ["--dilocox-sync-mode", "sync"], 4),
            # H = 4, the average lands 2 steps into a round: stops with round 1 in flight, not landed.
            "landing": (DILOCOX + ["--dilocox-sync-mode", "eager", "--dilocox-local-steps", "4",

@@ -71,7 +71,7 @@ def test_optimizer_rejects_bad_input():
 def test_config_defaults_are_valid():
     cfg = DiLoCoXConfig()
     cfg.validate()
-    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode) == (2, 20, "eager")
+    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode, cfg.landing) == (2, 20, "delay", 1)
     assert (cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov) == (1.0, 0.0, False)
 
 

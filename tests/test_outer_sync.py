@@ -15,7 +15,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import DEFAULT_OVERLAP_STEPS, DiLoCoXConfig
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, all_finite, allreduce_mean
 from launch import run_forked
@@ -157,14 +157,17 @@ def _checkpointed(sync, params, group):
 
 def scenario_nan(rank, group):
     out = {}
-    for mode in ("sync", "delay"):
+    for name, mode, landing in (("sync", "sync", None), ("delay", "delay", None), ("delay-land", "delay", 1)):
         params, data = toy_init(), toy_data(rank)
         sync = OuterSync(params, group, config(mode))
         rounds = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for r in range(4):
-                local_steps(params, data, 2)
+                if landing and r:
+                    local_steps(params, data, landing)
+                    sync.land()  # a skipped average leaves base and the replica's carry alone
+                local_steps(params, data, 2 - landing if landing and r else 2)
                 if rank == 1 and r == 1:
                     params[1][3] = float("nan")
                 stats = sync.step(r)
@@ -172,7 +175,7 @@ def scenario_nan(rank, group):
                                    base_finite=bool(sync.base.isfinite().all()),
                                    params_finite=all(bool(p.isfinite().all()) for p in params)))
             fin = sync.finish()
-        out[mode] = dict(rounds=rounds, finish_skipped=fin and fin.skipped,
+        out[name] = dict(rounds=rounds, finish_skipped=fin and fin.skipped,
                          warnings=[str(w.message) for w in caught if w.category is RuntimeWarning],
                          params_finite=all(bool(p.isfinite().all()) for p in params))
         sync.close()
@@ -287,13 +290,17 @@ def test_landing_resumes_exactly(ranks):
             assert [s["bytes_sent"] for s in res["stats"]] == [0, PAYLOAD, 0, PAYLOAD, PAYLOAD]
 
 
-def test_overlap_steps_needs_an_overlapping_mode_and_fits_in_a_round():
+def test_overlap_steps_needs_an_overlapping_mode_and_a_step():
     with pytest.raises(ValueError, match="--dilocox-overlap-steps needs --dilocox-sync-mode"):
         config("sync", overlap_steps=1).validate()
-    for bad in (0, H):
-        with pytest.raises(ValueError, match="--dilocox-overlap-steps must be >= 1 and below H"):
-            config("eager", overlap_steps=bad).validate()
-    config("eager", overlap_steps=H - 1).validate()
+    with pytest.raises(ValueError, match="--dilocox-overlap-steps must be >= 1"):
+        config("eager", overlap_steps=0).validate()
+    # When it lands: the flag, else one step into the round; at the boundary without an overlap
+    # to land in, and by default with adaptive H (which sizes whole rounds to the exchange).
+    assert [config(m).landing for m in MODES] == [None, DEFAULT_OVERLAP_STEPS, DEFAULT_OVERLAP_STEPS, None]
+    assert config("delay", overlap_steps=H).landing == H
+    assert config("delay", max_local_steps=2 * H).landing is None
+    assert config("delay", max_local_steps=2 * H, overlap_steps=2).landing == 2
 
 
 def test_modes_differ(ranks):
@@ -325,9 +332,10 @@ def test_delay_bytes_one_payload_per_round_and_finish_drains(ranks, mode):
         assert (res["bytes"], res["calls"]) == (ROUNDS * PAYLOAD, ROUNDS)
 
 
-@pytest.mark.parametrize("mode,skipped_round", [("sync", 1), ("delay", 2)])
+@pytest.mark.parametrize("mode,skipped_round", [("sync", 1), ("delay", 2), ("delay-land", 2)])
 def test_non_finite_round_is_skipped_everywhere(ranks, mode, skipped_round):
     # rank 1 puts a NaN in its params before boundary 1; delay mode learns of it one round later
+    # (landing mid-round: when it lands, reported at the next boundary)
     results = [rank["nan"][mode] for rank in ranks]
     for k, res in enumerate(results):
         assert [rnd["skipped"] for rnd in res["rounds"]] == [r == skipped_round for r in range(4)]
@@ -335,7 +343,7 @@ def test_non_finite_round_is_skipped_everywhere(ranks, mode, skipped_round):
         assert res["params_finite"] and not res["finish_skipped"]
         assert any("skipping the outer update" in w for w in res["warnings"])
         local_warning = any("local pseudo-gradient is non-finite" in w for w in res["warnings"])
-        assert local_warning == (mode == "delay" and k == 1)
+        assert local_warning == (mode != "sync" and k == 1)
     for a, b in zip(results[0]["rounds"], results[1]["rounds"]):
         assert a["base"] == b["base"]
 

@@ -210,7 +210,7 @@ def test_step_and_ratio_arithmetic():
     m = pl.ModelShape(**QS)
     lay = pl.Layout(tp=1, pp=1, micro_batch_size=1, global_batch_size=4)
     mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=8.0)
-    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none")
+    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none", overlap_steps=10)  # lands at the boundary
     p = pl.plan(m, lay, d, mach)
     n = p.params_per_rank
     assert math.isclose(p.step["compute"], pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
@@ -219,8 +219,8 @@ def test_step_and_ratio_arithmetic():
     assert math.isclose(p.allreduce["comm"], 2 * (1 * 4 * n / 2) / 1e9)
     assert math.isclose(p.dilocox["exchange"], 2 * (1 * 4 * n) / 1e9)
     assert math.isclose(p.ratio, 10 * p.allreduce["step"] / max(10 * p.step["total"], p.dilocox["exchange"]))
-    # Landing 1 step into the next round: only 1 step's compute hides the exchange.
-    early = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none", overlap_steps=1), mach)
+    # The default lands 1 step into the next round: only 1 step's compute hides the exchange.
+    early = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none"), mach)
     window = p.step["total"]
     assert p.dilocox["exchange"] > window and not early.dilocox["hidden"] and p.dilocox["hidden"]
     assert math.isclose(early.dilocox["round"], 10 * p.step["total"] + p.dilocox["exchange"] - window)

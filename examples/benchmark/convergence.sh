@@ -66,7 +66,11 @@ case "$STUDY" in
       --method "eager fp32 SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1 --dilocox-overlap-steps 1 $INNER4"
       --method "eager fp32 SGD lr1 inner 4e-3=$DLX --dilocox-sync-mode eager --dilocox-compression none $SGD1 $INNER4"
       --method "eager topk 2b SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode eager $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4"
+      --method "delay fp32 SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode delay --dilocox-compression none $SGD1 --dilocox-overlap-steps 1 $INNER4"
+      --method "delay topk 2b SGD lr1 land 1 inner 4e-3=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4"
       --method "sync fp32 SGD lr0.7 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0 $INNER4"
+      --method "sync fp32 SGD lr0.5 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --dilocox-outer-lr 0.5 --dilocox-outer-momentum 0 $INNER4"
+      --method "delay topk 2b SGD lr0.7 land 1 inner 4e-3=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0 --dilocox-overlap-steps 1 $INNER4"
       --method "sync fp32 SGD lr1 inner 5.6e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none $SGD1 --lr 5.6e-3 --min-lr 5.6e-4"
       --compare "sync fp32 SGD lr1") ;;
   defaults)  # DiLoCoX at AllReduce's best learning rate (the pilot: 4e-3 beat 2e-3 for both)

@@ -180,7 +180,7 @@ class DiLoCoX:
             self._adapt_local_steps(stats.comm_s, compute_s)
         record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps)
         self.next_boundary = iteration + self.local_steps
-        tau = self.config.overlap_steps
+        tau = self.config.landing
         self.next_landing = iteration + tau if tau is not None and tau < self.local_steps else None
         self._round_start_time = time.perf_counter()
         return record
