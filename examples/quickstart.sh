@@ -20,7 +20,7 @@ source examples/quickstart_gpt.sh
 build_quickstart_data
 LOG_ARGS=(--log-interval 20 --eval-interval 40 --eval-iters 6 --seed 1234)
 
-echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, eager one-step-delay overlap, top-k 2-bit exchange"
+echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, one-step-delay overlap landing 1 step in, top-k 2-bit exchange"
 torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
   "${LOG_ARGS[@]}" "${LAYOUT_ARGS[@]}" --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" \
   2> "$OUT/dilocox.stderr"

@@ -397,6 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             compression_config(args).validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    # Resolved, so that the run's recorded settings show when a changed default moves it.
+    args.dilocox_landing = dilocox_config(args).landing if args.dilocox else None
     return args
 
 
