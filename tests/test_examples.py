@@ -39,7 +39,7 @@ def test_dry_run_prints_every_node_and_a_plan_that_fits(script):
     for rank, cmd in enumerate(commands):
         assert f"--nnodes {nodes} --node-rank {rank} " in cmd and " pretrain_gpt.py " in cmd
         for flag in ("--save", "--load", "--save-interval", "--tensorboard-dir", "--metrics-file", "--dilocox",
-                     "--dilocox-clusters", "--dilocox-local-steps", "--dilocox-compression"):
+                     "--dilocox-clusters", "--dilocox-local-steps"):
             assert f" {flag} " in cmd, flag
     assert re.search(r"total .* of 80 GiB: fits", proc.stdout)
     # The plan is of the launched flags: same layers and layout as the command lines.
