@@ -2,8 +2,9 @@
 :class:`~megatron_dilocox.training.dilocox.DiLoCoX`, written by
 :class:`~megatron_dilocox.training.metrics.MetricsLogger`.
 
-Everything but the pseudo-gradient norm describes the reduction *applied* at the boundary (in
-the overlapping modes: the previous round's, see docs/dilocox.md). :meth:`OuterRound.metrics`
+Everything but the pseudo-gradient norm describes the reduction *applied* since the previous
+boundary (in the overlapping modes the previous round's, which lands ``--dilocox-overlap-steps``
+into this round or at this boundary; see docs/dilocox.md). :meth:`OuterRound.metrics`
 gives the JSON-lines record whose keys the tools read (README, "Metrics file").
 """
 
