@@ -386,19 +386,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     _require(args.clusters >= 1, f"--dilocox-clusters must be >= 1, got {args.clusters}")
     _require(args.dilocox_emulated_delay_s >= 0,
              f"--dilocox-emulated-delay-s must be >= 0, got {args.dilocox_emulated_delay_s}")
+    args.dilocox_landing = None  # resolved below, so a run's recorded settings show when a default moves it
     if args.dilocox:
         _require(not (args.use_distributed_optimizer and args.pipeline_model_parallel_size > 1
                       and not args.untie_embeddings_and_output_weights),
                  "--dilocox with --use-distributed-optimizer and --pipeline-model-parallel-size > 1 needs "
                  "--untie-embeddings-and-output-weights (tied copies on two stages are kept equal by "
                  "mirroring whole tensors, which a sharded optimizer does not hold)")
+        config = dilocox_config(args)
         try:
-            dilocox_config(args).validate()
+            config.validate()
             compression_config(args).validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
-    # Resolved, so that the run's recorded settings show when a changed default moves it.
-    args.dilocox_landing = dilocox_config(args).landing if args.dilocox else None
+        args.dilocox_landing = config.landing
     return args
 
 
