@@ -126,17 +126,19 @@ class DiLoCoX:
         push_to_model(self.optimizer)
         self.next_landing = None
 
-    def _adapt_local_steps(self, comm_s: float, compute_s: float) -> None:
+    def _adapt_local_steps(self, comm_s: float, compute_s: float) -> dict[str, float]:
         """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
 
         Every rank of every cluster must decide alike, so the decision uses the maxima over the
-        world of the measured exchange time and time per step (one 16-byte reduction per round).
+        world of the measured exchange time and time per step (one 16-byte reduction per round),
+        which it returns for the round's record.
         """
         measured = torch.tensor([comm_s, compute_s / self.local_steps], dtype=torch.float64, device=device())
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         comm_s, step_s = measured.tolist()
         wanted = math.ceil(1.2 * comm_s / step_s) if step_s > 0 else self.local_steps
         self.local_steps = min(max(wanted, self.config.min_local_steps or 1), self.config.max_local_steps)
+        return {"slowest_exchange_s": comm_s, "slowest_step_s": step_s}
 
     def _norm(self, sq: float) -> float:
         """The cluster's whole pseudo-gradient norm from this rank's squared shard norm, summed
@@ -163,7 +165,7 @@ class DiLoCoX:
 
     def _record(self, stats: RoundStats, drain: bool, **boundary) -> OuterRound:
         """The round's record (collective in the cluster: the norm); ``boundary``: the fields
-        only a boundary has, not a drain (``round_compute_s``, ``local_steps``)."""
+        only a boundary has, not a drain (``round_compute_s``, ``local_steps``, adaptive H's measurements)."""
         between = self.audit.cross_cluster_bytes("step", "eval") if self.audit is not None else None
         return OuterRound(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
                           comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
@@ -176,9 +178,10 @@ class DiLoCoX:
         stats = self.sync.step(iteration)
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
+        adapted = {}
         if self.config.max_local_steps is not None and stats.bytes_sent:
-            self._adapt_local_steps(stats.comm_s, compute_s)
-        record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps)
+            adapted = self._adapt_local_steps(stats.comm_s, compute_s)
+        record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps, **adapted)
         self.next_boundary = iteration + self.local_steps
         tau = self.config.landing
         self.next_landing = iteration + tau if tau is not None and tau < self.local_steps else None
