@@ -185,6 +185,24 @@ def test_build_is_deterministic_and_deduplicated(tmp_path):
     assert dup == docs  # the same text up to surrounding whitespace counts once
 
 
+def test_shuffled_corpus_is_a_seeded_permutation(tmp_path):
+    stdlib_dir, site_dir = _fake_install(tmp_path / "install")
+    built = {}
+    for name, seed in (("path", None), ("s1", 1), ("s1_again", 1), ("s2", 2)):
+        out = tmp_path / f"{name}.jsonl"
+        build_corpus(str(out), "stdlib+site-packages", stdlib_dir=stdlib_dir, site_dirs=[site_dir],
+                     shuffle_seed=seed)
+        built[name] = out.read_bytes().splitlines()
+    assert built["s1"] == built["s1_again"]  # deterministic for a seed
+    assert sorted(built["s1"]) == sorted(built["s2"]) == sorted(built["path"])  # the same documents
+    assert len({tuple(lines) for lines in built.values()}) == 3  # each seed its own order
+    # --max-docs takes the first documents in path order, then permutes them.
+    few = tmp_path / "few.jsonl"
+    build_corpus(str(few), "stdlib+site-packages", max_docs=3, stdlib_dir=stdlib_dir,
+                 site_dirs=[site_dir], shuffle_seed=1)
+    assert sorted(few.read_bytes().splitlines()) == sorted(built["path"][:3])
+
+
 def test_source_size_limits(tmp_path):
     stdlib_dir, _ = _fake_install(tmp_path)
     names = ("line_ok", "line_long", "size_ok", "size_big")

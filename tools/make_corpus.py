@@ -3,8 +3,8 @@
 Example::
 
     python tools/make_corpus.py --output data/corpus.jsonl
-    python tools/make_corpus.py --source stdlib+site-packages --output data/big/corpus.jsonl \
-        --count-tokens data/big/sp.model
+    python tools/make_corpus.py --source stdlib+site-packages --shuffle-seed 1 \
+        --output data/big/corpus.jsonl --count-tokens data/big/sp.model
 
 ``--source`` picks how much of the installation is read (see
 ``megatron_dilocox.data.corpus``): ``stdlib-docs`` (the default, the standard
@@ -71,6 +71,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     parser.add_argument("--max-docs", type=int, default=None, help="stop after N documents")
     parser.add_argument(
+        "--shuffle-seed", type=int, default=None, metavar="S",
+        help="write the documents in an order permuted with seed S, so that megatron's contiguous"
+        " --split takes uniform samples (default: path order)",
+    )
+    parser.add_argument(
         "--count-tokens", metavar="MODEL", default=None, help="also count tokens with this .model"
     )
     args = parser.parse_args(argv)
@@ -86,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         except ValueError as e:
             parser.error(f"--count-tokens: {e}")
     start = time.time()
-    docs = build_corpus(args.output, args.source, args.max_docs, progress=_progress("writing"))
+    docs = build_corpus(args.output, args.source, args.max_docs, progress=_progress("writing"),
+                        shuffle_seed=args.shuffle_seed)
     size_mb = os.path.getsize(args.output) / 1e6
     elapsed = time.time() - start
     print(f"wrote {docs} documents, {size_mb:.2f} MB to {args.output} in {elapsed:.1f}s")

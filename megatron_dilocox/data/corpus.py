@@ -25,6 +25,7 @@ import ast
 import hashlib
 import json
 import os
+import random
 import sysconfig
 import tokenize
 from itertools import chain, islice
@@ -245,6 +246,7 @@ def build_corpus(
     stdlib_dir: Optional[str] = None,
     site_dirs: Optional[Sequence[str]] = None,
     progress: Optional[Callable[[int, int], None]] = None,
+    shuffle_seed: Optional[int] = None,
 ) -> int:
     """Writes a corpus as JSON lines ``{"text": ...}`` (UTF-8, ``\\n`` line ends).
 
@@ -258,6 +260,9 @@ def build_corpus(
         stdlib_dir: As for ``iter_documents``.
         site_dirs: As for ``iter_documents``.
         progress: Called after each document with the documents and bytes written so far.
+        shuffle_seed: Write the documents in an order permuted with this seed (after
+            ``max_docs``), so that a contiguous document split such as megatron's ``--split``
+            takes a uniform sample; None: path order (each source's file then extends the last).
 
     Returns:
         The number of documents written.
@@ -265,14 +270,17 @@ def build_corpus(
     Raises:
         ValueError: On an unknown ``source``.
     """
-    documents = iter_documents(source, stdlib_dir, site_dirs)
+    documents = islice(iter_documents(source, stdlib_dir, site_dirs), max_docs)
+    if shuffle_seed is not None:
+        documents = list(documents)
+        random.Random(shuffle_seed).shuffle(documents)
     out_dir = os.path.dirname(os.path.abspath(output_jsonl))
     os.makedirs(out_dir, exist_ok=True)
     tmp_path = f"{output_jsonl}.tmp{os.getpid()}"
     count = nbytes = 0
     try:
         with open(tmp_path, "wb") as f:
-            for doc in islice(documents, max_docs):
+            for doc in documents:
                 line = (json.dumps({"text": doc}, ensure_ascii=False) + "\n").encode("utf-8")
                 f.write(line)
                 count, nbytes = count + 1, nbytes + len(line)
