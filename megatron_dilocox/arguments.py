@@ -206,6 +206,9 @@ def _dilocox_args(parser):
                    help="topk: fraction of each chunk's entries sent (default 1/64).")
     g.add_argument("--dilocox-topk-chunk", type=int, default=comp.topk_chunk,
                    help="topk: elements per chunk; each keeps its own largest entries and fp32 scale.")
+    g.add_argument("--dilocox-cyclic-period", type=int, default=comp.cyclic_period,
+                   help="cyclic: each round sends every P-th entry, so each entry once every P rounds "
+                        "(default %(default)s).")
     g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
                    help="Add this many seconds to every cross-cluster reduction: see the overlap "
                         "hide a slow link without one (benchmarks and tests).")
@@ -242,6 +245,7 @@ def compression_config(args) -> CompressionConfig:
         ef_decay=args.dilocox_ef_decay,
         topk_density=args.dilocox_topk_density,
         topk_chunk=args.dilocox_topk_chunk,
+        cyclic_period=args.dilocox_cyclic_period,
     )
 
 

@@ -5,20 +5,21 @@ import math
 from dataclasses import dataclass
 
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
-CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
+CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk", "cyclic")
 """``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
-QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
+QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4), "cyclic": (1, 2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
 
 
 def default_bits(codec: str) -> int:
-    """``--dilocox-quant-bits`` when not given: 8 (2 for ``topk``, see :class:`CompressionConfig`)."""
-    return 2 if codec == "topk" else 8
+    """``--dilocox-quant-bits`` when not given: 8 (2 for the sparse ``topk`` and ``cyclic``, see
+    :class:`CompressionConfig`)."""
+    return 2 if codec in ("topk", "cyclic") else 8
 
 
 def default_error_feedback(codec: str) -> bool:
-    """``--dilocox-error-feedback`` when not given: on for ``topk`` only."""
-    return codec == "topk"
+    """``--dilocox-error-feedback`` when not given: on for the sparse ``topk`` and ``cyclic`` only."""
+    return codec in ("topk", "cyclic")
 
 
 DEFAULT_OVERLAP_STEPS = 1
@@ -200,6 +201,10 @@ class CompressionConfig:
     """``topk``: elements per chunk (each keeps its own top entries and scale).
     ``--dilocox-topk-chunk``."""
 
+    cyclic_period: int = 8
+    """``cyclic``: each round sends every P-th entry of the pseudo-gradient (plus residual), so
+    each entry once every P rounds. ``--dilocox-cyclic-period``."""
+
     def __post_init__(self):
         if self.bits is None:
             self.bits = default_bits(self.codec)
@@ -226,3 +231,8 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-topk-density must be in (0, 1], got {self.topk_density}")
         if self.topk_chunk < 2:
             raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")
+        if self.cyclic_period < 1:
+            raise ValueError(f"--dilocox-cyclic-period must be >= 1, got {self.cyclic_period}")
+        if self.codec == "cyclic" and self.block % 8:
+            raise ValueError(f"--dilocox-quant-block must be a multiple of 8 with --dilocox-compression "
+                             f"cyclic, got {self.block}")

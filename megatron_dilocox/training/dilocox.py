@@ -58,7 +58,8 @@ class DiLoCoX:
                 block=compression.block, error_feedback=compression.error_feedback, counter=self.counter,
                 seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
                 energy=compression.rank_energy, ef_decay=compression.ef_decay,
-                chunk=compression.topk_chunk, density=compression.topk_density)
+                chunk=compression.topk_chunk, density=compression.topk_density,
+                period=compression.cyclic_period)
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
