@@ -194,8 +194,10 @@ class Study:
         if (summary["flags"], summary["nproc"]) != (self.flags(method, seed), self.args.nproc):
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other flags; "
                              "use another --out or remove that folder")
-        recorded = summary.get("settings")  # absent in runs recorded before settings were
-        changed = sorted(k for k, v in self.settings(method, seed).items() if recorded and recorded.get(k) != v)
+        # Absent in runs recorded before settings were; a setting added since (a new flag, whose
+        # default keeps what the code did before) is not compared.
+        recorded = summary.get("settings") or {}
+        changed = sorted(k for k, v in self.settings(method, seed).items() if k in recorded and recorded[k] != v)
         if changed:
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other settings of "
                              f"{', '.join(changed)} (changed defaults?); use another --out or remove that folder")
