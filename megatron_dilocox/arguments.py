@@ -206,6 +206,9 @@ def _dilocox_args(parser):
                    help="topk: fraction of each chunk's entries sent (default 1/64).")
     g.add_argument("--dilocox-topk-chunk", type=int, default=comp.topk_chunk,
                    help="topk: elements per chunk; each keeps its own largest entries and fp32 scale.")
+    g.add_argument("--dilocox-keep-unsent", action="store_true",
+                   help="Each replica keeps the progress compression has not sent yet (the error-feedback "
+                        "residual) instead of restarting each round from the global weights.")
     g.add_argument("--dilocox-cyclic-period", type=int, default=comp.cyclic_period,
                    help="cyclic: each round sends every P-th entry, so each entry once every P rounds "
                         "(default %(default)s).")
@@ -246,6 +249,7 @@ def compression_config(args) -> CompressionConfig:
         topk_density=args.dilocox_topk_density,
         topk_chunk=args.dilocox_topk_chunk,
         cyclic_period=args.dilocox_cyclic_period,
+        keep_unsent=args.dilocox_keep_unsent,
     )
 
 

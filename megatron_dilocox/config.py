@@ -201,6 +201,11 @@ class CompressionConfig:
     """``topk``: elements per chunk (each keeps its own top entries and scale).
     ``--dilocox-topk-chunk``."""
 
+    keep_unsent: bool = False
+    """Each replica keeps in its weights what compression has not yet sent of its own progress
+    (the error-feedback residual), restarting a round from ``base - residual`` instead of the
+    global weights. ``--dilocox-keep-unsent``; needs error feedback."""
+
     cyclic_period: int = 8
     """``cyclic``: each round sends every P-th entry of the pseudo-gradient (plus residual), so
     each entry once every P rounds. ``--dilocox-cyclic-period``."""
@@ -231,6 +236,8 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-topk-density must be in (0, 1], got {self.topk_density}")
         if self.topk_chunk < 2:
             raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")
+        if self.keep_unsent and not (self.error_feedback and self.codec != "none"):
+            raise ValueError("--dilocox-keep-unsent needs a compression codec with --dilocox-error-feedback")
         if self.cyclic_period < 1:
             raise ValueError(f"--dilocox-cyclic-period must be >= 1, got {self.cyclic_period}")
         if self.codec == "cyclic" and self.block % 8:

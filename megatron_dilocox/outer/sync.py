@@ -183,6 +183,10 @@ class OuterSync:
         agree: ``agree(flags) -> flags``: each flag ANDed over all ranks holding a part of this
             rank's model replica, the same answer on each of them (a collective: called at the
             same points on all of them). None: the identity, for a replica on one rank.
+        unsent: ``unsent() -> tensor | None``: what compression has not yet sent of this rank's
+            progress (the reducer's error-feedback residual, laid out as ``base``), read between
+            reductions only. Given, a replica restarts from ``base - unsent()`` instead of
+            ``base``: it keeps its own unsent progress while error feedback sends it.
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class OuterSync:
         reducer: Reducer | None = None,
         counter: ByteCounter | None = None,
         agree: Agree | None = None,
+        unsent: Callable[[], torch.Tensor | None] | None = None,
     ):
         config.validate()
         self.params = list(params)
@@ -213,13 +218,15 @@ class OuterSync:
         self.counter = counter if counter is not None else ByteCounter()
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
         self.agree = agree or (lambda flags: flags)
+        self.unsent = unsent
         with torch.no_grad():
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
         # The share of its fresh delta a replica carries into the next round (delay modes that
         # keep it); sync and delay-naive always start a round from base and share its buffer.
         self._carry = {"delay": 1.0, "eager": 1.0 / config.clusters}.get(config.sync_mode)
-        self.round_start = self._state_tensor(self.base, copy=True) if self._carry else self.base
+        own_start = self._carry or unsent is not None
+        self.round_start = self._state_tensor(self.base, copy=True) if own_start else self.base
         self.optimizer = OuterNesterov(
             [self.base], config.outer_lr, config.outer_momentum, config.use_nesterov
         )
@@ -250,17 +257,21 @@ class OuterSync:
         applied = self._landed or _Landed(result.nbytes if result else 0, result.comm_s if result else 0.0,
                                           wait_s, skipped)
         self._landed = None
-        if self._carry:
-            if local_ok:
-                torch.sub(self.base, delta, alpha=self._carry, out=self.round_start)
-            else:
+        if local_ok:
+            anchor = self._anchor()
+            if self._carry:
+                torch.sub(anchor, delta, alpha=self._carry, out=self.round_start)
+            elif anchor is not self.round_start:
+                self.round_start.copy_(anchor)
+        else:
+            if self._carry:
                 warnings.warn(
                     f"DiLoCoX outer step {self.outer_step}: local pseudo-gradient is non-finite "
                     "(on this rank or another of the replica); "
                     "restarting this replica from base (the group skips it next boundary)",
                     RuntimeWarning,
                 )
-                self.round_start.copy_(self.base)
+            self.round_start.copy_(self.base)
         self._write_params(self.round_start)
         if mode != "sync":
             self._submit(delta)  # hands delta over to the worker; no more reads here
@@ -290,9 +301,10 @@ class OuterSync:
         (finite,) = self.agree([all_finite(result.grad)])
         skipped = not self._apply(result.grad, finite)
         if not skipped:  # a skipped average leaves the carry in place, as at a boundary
-            for p, b, s in zip(self.params, self.base_views, self.views(self.round_start)):
+            anchor = self._anchor()
+            for p, b, s in zip(self.params, self.views(anchor), self.views(self.round_start)):
                 p.add_(b - s)
-            self.round_start.copy_(self.base)
+            self.round_start.copy_(anchor)
         self._landed = _Landed(result.nbytes, result.comm_s, wait_s, skipped)
 
     @torch.no_grad()
@@ -400,6 +412,11 @@ class OuterSync:
         if self.config.offload_outer_state and torch.cuda.is_available():
             return torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
         return flat.clone() if copy else flat
+
+    def _anchor(self) -> torch.Tensor:
+        """Where the replica restarts from: ``base``, less its unsent progress with ``unsent``."""
+        residual = self.unsent() if self.unsent is not None else None
+        return self.base if residual is None else self.base - residual.to(self.base.device)
 
     def _write_params(self, flat: torch.Tensor) -> None:
         for p, v in zip(self.params, self.views(flat)):

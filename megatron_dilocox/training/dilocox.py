@@ -62,8 +62,10 @@ class DiLoCoX:
                 period=compression.cyclic_period)
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
+        compressor = self.compressor
+        unsent = (lambda: compressor.residual) if compression.keep_unsent else None
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
-                              counter=self.counter, agree=self._agree)
+                              counter=self.counter, agree=self._agree, unsent=unsent)
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
