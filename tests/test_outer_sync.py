@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_dilocox.config import DEFAULT_OVERLAP_STEPS, DiLoCoXConfig
+from megatron_dilocox.outer.compression import CompressedReducer
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, all_finite, allreduce_mean
 from launch import run_forked
@@ -58,10 +59,14 @@ def config(mode, clusters=2, **kwargs):
     return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **kwargs})
 
 
-def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None):
-    """``landing``: the previous round's average is applied this many inner steps into a round."""
+def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, keep_unsent=None, steps_out=None):
+    """``landing``: the previous round's average is applied this many inner steps into a round;
+    ``keep_unsent`` (True or False): every replica compresses with ``topk_reducer()`` and keeps
+    its unsent progress or not; ``steps_out``: gets each boundary's replica digests."""
     replicas = [toy_init() for _ in range(clusters)]
-    ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"])
+    compressors = None if keep_unsent is None else [topk_reducer() for _ in range(clusters)]
+    ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"],
+                          compressors, bool(keep_unsent))
     base_digests = []
     for r in range(rounds):
         steps = H
@@ -74,8 +79,15 @@ def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None):
             local_steps(replicas[k], toy_data(k), steps)
         ref.step(replicas)
         base_digests.append(digest(ref.base))
+        if steps_out is not None:
+            steps_out.append([digest(rep) for rep in replicas])
     ref.finish(replicas)
     return replicas, base_digests
+
+
+def topk_reducer(counter=None):
+    """A top-k reducer that drops most of each round (so the residual matters), error feedback on."""
+    return CompressedReducer(SHAPES, "topk", bits=2, chunk=64, density=0.1, counter=counter)
 
 
 # -- worker scenarios (run inside each of the two gloo processes) ------------------------------
@@ -141,6 +153,33 @@ def scenario_landing(rank, group):
         sync.finish()
         sync.close()
         out["resumed"].append(dict(stop=stop, params=params, stats=stats))
+    return out
+
+
+UNSENT_CASES = {"sync": ("sync", None), "delay": ("delay", None), "delay-land": ("delay", LANDING)}
+
+
+def scenario_unsent(rank, group):
+    """--dilocox-keep-unsent with a top-k reducer: base and the replica after every boundary."""
+    out = {}
+    for name, (mode, landing) in UNSENT_CASES.items():
+        params, data = toy_init(), toy_data(rank)
+        counter = ByteCounter()
+        red = topk_reducer(counter)
+        landing_flag = {} if mode == "sync" else dict(overlap_steps=landing or H)
+        sync = OuterSync(params, group, config(mode, **landing_flag), red, counter,
+                         unsent=lambda red=red: red.residual)
+        rounds = []
+        for r in range(ROUNDS):
+            if landing and r:
+                local_steps(params, data, landing)
+                sync.land()
+            local_steps(params, data, H - landing if landing and r else H)
+            sync.step((r + 1) * H)
+            rounds.append(dict(base=digest([sync.base]), replica=digest(params)))
+        sync.finish()
+        out[name] = dict(rounds=rounds, params=[p.clone() for p in params])
+        sync.close()
     return out
 
 
@@ -234,7 +273,8 @@ def scenario_resume(rank, group):
 
 def _scenarios(rank, group):
     return dict(modes=scenario_modes(rank, group), landing=scenario_landing(rank, group), nan=scenario_nan(rank, group),
-                overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group))
+                overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group),
+                unsent=scenario_unsent(rank, group))
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +319,22 @@ def test_landing_matches_reference_and_ranks_agree(ranks, mode):
         # Each boundary reports the round that landed during it; the last one is drained by finish.
         assert [rnd["stats"]["bytes_sent"] for rnd in res["rounds"]] == [0] + [PAYLOAD] * (ROUNDS - 1)
         assert res["finish"]["bytes_sent"] == PAYLOAD
+
+
+@pytest.mark.parametrize("name", list(UNSENT_CASES))
+def test_keep_unsent_matches_reference(ranks, name):
+    """Each replica restarts from base less its own error-feedback residual: the same bits as the
+    reference with one compressor per replica, and another trajectory than restarting from base."""
+    mode, landing = UNSENT_CASES[name]
+    kept, reset = [], []
+    replicas, bases = run_reference(mode, landing=landing, keep_unsent=True, steps_out=kept)
+    _, reset_bases = run_reference(mode, landing=landing, keep_unsent=False, steps_out=reset)
+    for r in range(ROUNDS):
+        assert [ranks[k]["unsent"][name]["rounds"][r]["base"] for k in range(2)] == [bases[r]] * 2, r
+        assert [ranks[k]["unsent"][name]["rounds"][r]["replica"] for k in range(2)] == kept[r], r
+    assert kept[-1] != reset[-1] and bases[-1] != reset_bases[-1]
+    for k in range(2):
+        assert all(torch.equal(p, q) for p, q in zip(ranks[k]["unsent"][name]["params"], replicas[k]))
 
 
 def test_landing_resumes_exactly(ranks):

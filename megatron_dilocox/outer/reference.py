@@ -17,11 +17,17 @@ class ReferenceDiLoCo:
         clusters: number of replicas C.
         mode: "sync", "delay", "eager" or "delay-naive".
         lr, momentum, nesterov: outer SGD settings.
+        compressors: one single-cluster compressed reducer per replica (``compressor([flat],
+            None) -> [decoded]``, error feedback inside it, its ``residual`` read after each
+            call); the mean is then of the replicas' decoded pseudo-gradients. None: exact mean.
+        keep_unsent: a replica restarts from ``base`` less its compressor's residual.
     """
 
-    def __init__(self, init, clusters, mode, lr, momentum, nesterov):
+    def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False):
         assert mode in ("sync", "delay", "eager", "delay-naive")
+        assert not keep_unsent or compressors, "keep_unsent needs compressors"
         self.mode, self.clusters = mode, clusters
+        self.compressors, self.keep_unsent = compressors, keep_unsent
         self.base = [t.detach().clone().float() for t in init]
         self.starts = [[b.clone() for b in self.base] for _ in range(clusters)]
         self.opt = torch.optim.SGD(
@@ -33,20 +39,21 @@ class ReferenceDiLoCo:
     def step(self, replicas):
         """Round boundary: ``replicas[k]`` is cluster k's params after H local steps (in place)."""
         deltas = [[s - p for s, p in zip(start, rep)] for start, rep in zip(self.starts, replicas)]
-        g = self._mean(deltas)
         if self.mode == "sync":
-            self._apply(g)
-            self.starts = [self._copy(self.base) for _ in range(self.clusters)]
+            self._apply(self._mean(deltas))
+            self.starts = [self._anchor(k) for k in range(self.clusters)]
         else:
             if self.pending is not None:
                 self._apply(self.pending)
-            self.pending = g
+            # The restart points use the residuals of the round just applied, not this one's.
+            anchors = [self._anchor(k) for k in range(self.clusters)]
+            self.pending = self._mean(deltas)
             if self.mode == "delay":  # keep each replica's own, not yet averaged progress
-                self.starts = [[b - d for b, d in zip(self.base, dk)] for dk in deltas]
+                self.starts = [[a - d for a, d in zip(ak, dk)] for ak, dk in zip(anchors, deltas)]
             elif self.mode == "eager":  # keep only its share of the coming average
-                self.starts = [[b - d / self.clusters for b, d in zip(self.base, dk)] for dk in deltas]
+                self.starts = [[a - d / self.clusters for a, d in zip(ak, dk)] for ak, dk in zip(anchors, deltas)]
             else:
-                self.starts = [self._copy(self.base) for _ in range(self.clusters)]
+                self.starts = anchors
         self._load(replicas)
 
     @torch.no_grad()
@@ -55,10 +62,11 @@ class ReferenceDiLoCo:
         it carries for it and keeps what it trained since the boundary."""
         self._apply(self.pending)
         self.pending = None
-        for rep, start in zip(replicas, self.starts):
-            for p, s, b in zip(rep, start, self.base):
-                p.add_(b - s)
-        self.starts = [self._copy(self.base) for _ in range(self.clusters)]
+        anchors = [self._anchor(k) for k in range(self.clusters)]
+        for rep, start, anchor in zip(replicas, self.starts, anchors):
+            for p, s, a in zip(rep, start, anchor):
+                p.add_(a - s)
+        self.starts = anchors
 
     @torch.no_grad()
     def finish(self, replicas):
@@ -69,9 +77,20 @@ class ReferenceDiLoCo:
         self.starts = [self._copy(self.base) for _ in range(self.clusters)]
         self._load(replicas)
 
+    def _anchor(self, k):
+        """Where replica k restarts from: base, less its unsent progress with keep_unsent."""
+        if not self.keep_unsent or self.compressors[k].residual is None:
+            return self._copy(self.base)
+        residual = self.compressors[k].residual.split([b.numel() for b in self.base])
+        return [b - e.view_as(b) for b, e in zip(self.base, residual)]
+
     def _mean(self, deltas):
         # Sum in cluster order, then divide. Bitwise equal to allreduce + div for C == 2; for
         # C > 2 a ring allreduce may add in another order (compare with a tolerance).
+        if self.compressors:  # each replica's decoded payload, as every rank decodes them all
+            deltas = [comp([torch.cat([d.reshape(-1) for d in dk])], None)[0].split([b.numel() for b in self.base])
+                      for comp, dk in zip(self.compressors, deltas)]
+            deltas = [[d.view_as(b) for d, b in zip(dk, self.base)] for dk in deltas]
         out = []
         for i in range(len(self.base)):
             total = deltas[0][i].clone()

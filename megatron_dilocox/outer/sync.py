@@ -309,8 +309,8 @@ class OuterSync:
 
     @torch.no_grad()
     def finish(self) -> RoundStats | None:
-        """Drains and applies the in-flight reduction and, in the delay modes, sets
-        ``params = base``.
+        """Drains and applies the in-flight reduction and sets ``params = base`` (which they are
+        already in ``sync`` without ``unsent``).
 
         Call at the end of training, after the last :meth:`step` (or :meth:`land`), so the final
         model is the outer one with every round's averaged work. Returns the drained round's
@@ -321,7 +321,7 @@ class OuterSync:
         if result is not None:
             (finite,) = self.agree([all_finite(result.grad)])
             skipped = not self._apply(result.grad, finite)
-        if self.config.sync_mode != "sync":
+        if self.config.sync_mode != "sync" or self.unsent is not None:
             self.round_start.copy_(self.base)
             self._write_params(self.base)
         if result is None:
