@@ -209,9 +209,6 @@ def _dilocox_args(parser):
     g.add_argument("--dilocox-keep-unsent", action="store_true",
                    help="Each replica keeps the progress compression has not sent yet (the error-feedback "
                         "residual) instead of restarting each round from the global weights.")
-    g.add_argument("--dilocox-cyclic-period", type=int, default=comp.cyclic_period,
-                   help="cyclic: each round sends every P-th entry, so each entry once every P rounds "
-                        "(default %(default)s).")
     g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
                    help="Add this many seconds to every cross-cluster reduction: see the overlap "
                         "hide a slow link without one (benchmarks and tests).")
@@ -248,7 +245,6 @@ def compression_config(args) -> CompressionConfig:
         ef_decay=args.dilocox_ef_decay,
         topk_density=args.dilocox_topk_density,
         topk_chunk=args.dilocox_topk_chunk,
-        cyclic_period=args.dilocox_cyclic_period,
         keep_unsent=args.dilocox_keep_unsent,
     )
 

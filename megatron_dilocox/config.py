@@ -5,21 +5,20 @@ import math
 from dataclasses import dataclass
 
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
-CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk", "cyclic")
+CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
 """``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
-QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4), "cyclic": (1, 2, 3, 4)}
+QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
 
 
 def default_bits(codec: str) -> int:
-    """``--dilocox-quant-bits`` when not given: 8 (2 for the sparse ``topk`` and ``cyclic``, see
-    :class:`CompressionConfig`)."""
-    return 2 if codec in ("topk", "cyclic") else 8
+    """``--dilocox-quant-bits`` when not given: 8 (2 for ``topk``, see :class:`CompressionConfig`)."""
+    return 2 if codec == "topk" else 8
 
 
 def default_error_feedback(codec: str) -> bool:
-    """``--dilocox-error-feedback`` when not given: on for the sparse ``topk`` and ``cyclic`` only."""
-    return codec in ("topk", "cyclic")
+    """``--dilocox-error-feedback`` when not given: on for ``topk`` only."""
+    return codec == "topk"
 
 
 DEFAULT_OVERLAP_STEPS = 1
@@ -206,10 +205,6 @@ class CompressionConfig:
     (the error-feedback residual), restarting a round from ``base - residual`` instead of the
     global weights. ``--dilocox-keep-unsent``; needs error feedback."""
 
-    cyclic_period: int = 8
-    """``cyclic``: each round sends every P-th entry of the pseudo-gradient (plus residual), so
-    each entry once every P rounds. ``--dilocox-cyclic-period``."""
-
     def __post_init__(self):
         if self.bits is None:
             self.bits = default_bits(self.codec)
@@ -238,8 +233,3 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")
         if self.keep_unsent and not (self.error_feedback and self.codec != "none"):
             raise ValueError("--dilocox-keep-unsent needs a compression codec with --dilocox-error-feedback")
-        if self.cyclic_period < 1:
-            raise ValueError(f"--dilocox-cyclic-period must be >= 1, got {self.cyclic_period}")
-        if self.codec == "cyclic" and self.block % 8:
-            raise ValueError(f"--dilocox-quant-block must be a multiple of 8 with --dilocox-compression "
-                             f"cyclic, got {self.block}")

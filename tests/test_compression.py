@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_dilocox.arguments import compression_config, parse_args
 from megatron_dilocox.errors import ConfigError
-from megatron_dilocox.outer.compression import CompressedReducer, cyclic, lowrank, topk, wire
+from megatron_dilocox.outer.compression import CompressedReducer, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
 
@@ -383,83 +383,6 @@ def test_wire_errors_name_the_problem():
             6 if f == "round" else getattr(HEADER, f) for f in wire.Header.__dataclass_fields__])), HEADER)
 
 
-# -- cyclic ------------------------------------------------------------------------------------
-
-
-def cyclic_bytes(numel, period, bits, block):
-    """Body bytes of the cyclic format: every period-th entry, whole blocks of codes + fp32 scale."""
-    values = -(-numel // period)
-    return -(-values // block) * (block * bits // 8 + 4)
-
-
-def due_mask(numel, rnd, period):
-    """The entries round ``rnd`` sends: index congruent to the round modulo the period."""
-    return torch.tensor([i % period == rnd % period for i in range(numel)], dtype=torch.bool)
-
-
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 3000), period=st.integers(1, 12), bits=st.sampled_from(cyclic.BITS),
-       block=st.sampled_from([8, 16, 64, 256]), rnd=st.integers(1, 40), scale=MAGNITUDES,
-       heavy=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_cyclic_round_trip_sends_the_due_entries_on_the_rms_grid(n, period, bits, block, rnd, scale, heavy, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * (scale / 8)
-    if heavy:  # a few outliers far beyond twice the rms: they clamp to the end bins
-        x[torch.randint(0, n, (max(1, n // 50),), generator=g)] *= 50
-    assume(bool((x != 0).any()) and math.isfinite(float(torch.linalg.vector_norm(x))))
-    body = cyclic.encode(x, rnd, period, bits, block)
-    assert body.dtype == torch.uint8 and body.numel() == cyclic_bytes(n, period, bits, block)
-    y = cyclic.decode(body, n, rnd, period, bits, block)
-    due = due_mask(n, rnd, period)
-    assert y.dtype == torch.float32 and bool((y[~due] == 0).all())
-    # Each block of due entries (zero-padded) carries s = min(2 rms, absmax), fp32, after its codes.
-    values = x[due].double()
-    padded = torch.zeros(cyclic_bytes(n, period, bits, block) // (block * bits // 8 + 4) * block, dtype=torch.float64)
-    padded[: values.numel()] = values
-    padded = padded.view(-1, block)
-    want = torch.minimum(2 * padded.square().mean(1).sqrt(), padded.abs().amax(1))
-    sent = body.view(-1, block * bits // 8 + 4)[:, -4:].reshape(-1).clone().view(torch.float32).double()
-    assert sent.tolist() == pytest.approx(want.tolist(), rel=1e-5, abs=2**-126)
-    s = sent.repeat_interleave(block)[: values.numel()]
-    levels = 2**bits
-    inside = values.abs() <= s
-    err = (y[due].double() - values).abs()
-    assert bool((err[inside] <= s[inside] / levels * (1 + 2**-20) + TINY).all())  # half a bin
-    end = s[~inside] * (levels - 1) / levels * values[~inside].sign()  # clamped: the end bin's centre
-    assert torch.allclose(y[due].double()[~inside], end, rtol=2**-20, atol=TINY)
-    assert bool((y.abs() <= x.abs().max()).all()), "decoding never exceeds the input's absmax"
-    red = CompressedReducer([(n,)], "cyclic", bits=bits, period=period, block=block)
-    red.round = rnd - 1
-    (out,) = red([x], None)
-    assert torch.equal(out, y) and red.error_feedback  # on by default: the rest must arrive later
-    assert torch.equal(red.residual[~due], x[~due] * red.ef_decay)
-    assert red.last_stats["payload_bytes"] == wire.HEADER_BYTES + body.numel()
-
-
-def test_cyclic_sends_every_entry_once_per_period_and_error_feedback_delivers_it():
-    """With ef decay 1, P rounds of the same input deliver all of it (to the quantization error,
-    which is itself carried on): the running sum of the outputs tracks the inputs' sum."""
-    n, period = 1000, 4
-    masks = [due_mask(n, rnd, period) for rnd in range(1, period + 1)]
-    assert torch.equal(torch.stack(masks).sum(0), torch.ones(n, dtype=torch.long))
-    red = CompressedReducer([(n,)], "cyclic", bits=2, period=period, block=64, ef_decay=1.0)
-    x = rand(n, seed=3)
-    total = torch.zeros(n)
-    for rnd in range(1, 4 * period + 1):
-        (out,) = red([x], None)
-        total += out
-        assert torch.equal(total + red.residual, x * rnd)  # nothing lost, to the last bit
-    assert float(red.residual.norm()) < 0.5 * period * float(x.norm())
-
-
-def test_cyclic_non_finite_anywhere_poisons_the_round():
-    x = rand(100, seed=4)
-    x[1] = float("nan")  # not due in round 3 with period 3
-    y = cyclic.decode(cyclic.encode(x, 3, 3, 2, 8), 100, 3, 3, 2, 8)
-    assert not bool(due_mask(100, 3, 3)[1])
-    assert bool(torch.isnan(y[due_mask(100, 3, 3)]).all())
-
-
 # -- the reducer in one process (C = 1) --------------------------------------------------------
 
 SHAPES = [(48, 40), (40,), (3, 4, 5), (1, 90), (64, 24)]
@@ -470,8 +393,6 @@ def header_bytes_formula(red):
     """Bytes a round of ``red`` sends, from the documented formula."""
     if red.codec == "topk":
         return wire.HEADER_BYTES + topk_bytes(red.numel, red.chunk, red.density, red.bits)
-    if red.codec == "cyclic":
-        return wire.HEADER_BYTES + cyclic_bytes(red.numel, red.period, red.bits, red.block)
     def s(n):
         return 4 * n if red.payload_bits == 32 else qz.nbytes(n, red.payload_bits, red.block)
     dense = sum(s(n) for _, n in red.dense)
@@ -483,8 +404,7 @@ def header_bytes_formula(red):
 
 
 @pytest.mark.parametrize("codec,bits", [("quantize", 8), ("quantize", 4), ("lowrank", 8),
-                                        ("lowrank-quantize", 8), ("lowrank-quantize", 4), ("topk", 2),
-                                        ("cyclic", 2), ("cyclic", 1)])
+                                        ("lowrank-quantize", 8), ("lowrank-quantize", 4), ("topk", 2)])
 def test_single_cluster_round_stats_and_bytes(codec, bits):
     red = CompressedReducer(SHAPES, codec, bits=bits, rank=4, block=64)
     x = rand(NUMEL, seed=9)
@@ -507,7 +427,7 @@ def test_none_codec_is_allreduce_mean():
     assert out is x and red.last_stats["ratio"] == 1.0
 
 
-@pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize", "topk", "cyclic"])
+@pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize", "topk"])
 def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
     red = CompressedReducer(SHAPES, codec, rank=4, error_feedback=True, chunk=256)
     x = rand(NUMEL, seed=11)
@@ -531,12 +451,6 @@ def test_rejects_bad_setup():
         CompressedReducer(SHAPES, "topk", density=0.0)
     with pytest.raises(ValueError, match="chunk"):
         CompressedReducer(SHAPES, "topk", chunk=1)
-    with pytest.raises(ValueError, match="cyclic period must be >= 1"):
-        CompressedReducer(SHAPES, "cyclic", period=0)
-    with pytest.raises(ValueError, match="cyclic block must be a positive multiple of 8"):
-        CompressedReducer(SHAPES, "cyclic", block=12)
-    with pytest.raises(ValueError, match="cyclic bits must be one of 1, 2, 3, 4"):
-        CompressedReducer(SHAPES, "cyclic", bits=8)
     with pytest.raises(ValueError, match="min_rank"):
         CompressedReducer(SHAPES, "lowrank", rank=2, min_rank=3)
     with pytest.raises(ValueError, match="ef_decay"):

@@ -58,8 +58,7 @@ class DiLoCoX:
                 block=compression.block, error_feedback=compression.error_feedback, counter=self.counter,
                 seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
                 energy=compression.rank_energy, ef_decay=compression.ef_decay,
-                chunk=compression.topk_chunk, density=compression.topk_density,
-                period=compression.cyclic_period)
+                chunk=compression.topk_chunk, density=compression.topk_density)
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
         compressor = self.compressor

@@ -34,8 +34,6 @@ low-rank matrices:
   dense tensors), then ``H + sum_i S(n_i r_i)`` (Q): two dependent exchanges.
 * ``topk``: ``H + T(numel)`` (one exchange), ``T`` = :func:`.topk.nbytes` (chunked indices,
   codes and scales; formula in ``topk.py``).
-* ``cyclic``: ``H + Y(numel)`` (one exchange), ``Y`` = :func:`.cyclic.nbytes` (codes and
-  scales of every P-th entry; formula in ``cyclic.py``).
 * plus 32 bytes for the handshake at the first round and after a resume.
 """
 from __future__ import annotations
@@ -51,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dilocox.config import QUANT_BITS, default_bits, default_error_feedback
-from megatron_dilocox.outer.compression import comm, cyclic, lowrank, topk, wire
+from megatron_dilocox.outer.compression import comm, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
 
@@ -118,7 +116,6 @@ class CompressedReducer:
         ef_decay: float = 1.0,
         chunk: int = 4096,
         density: float = 1 / 64,
-        period: int = 8,
     ):
         if codec not in CODECS:
             raise ValueError(f"unknown compression codec {codec!r}; choose one of {', '.join(CODECS)}")
@@ -127,8 +124,6 @@ class CompressedReducer:
             error_feedback = default_error_feedback(codec)
         if codec == "topk":
             topk.check_args(chunk, density, bits)
-        elif codec == "cyclic":
-            cyclic.check_args(period, bits, block)
         elif codec in QUANT_BITS:
             qz.check_args(bits, block)
         if not 1 <= min_rank <= rank:
@@ -142,7 +137,7 @@ class CompressedReducer:
         self.error_feedback, self.ef_decay = error_feedback and codec != "none", ef_decay
         self.counter, self.seed = counter, seed
         self.adaptive, self.min_rank, self.energy = adaptive, min_rank, energy
-        self.chunk, self.density, self.period = chunk, density, period
+        self.chunk, self.density = chunk, density
         self.payload_bits = bits if codec in QUANT_BITS else 32
         self.numel = sum(s.numel() for s in self.shapes)
 
@@ -268,8 +263,6 @@ class CompressedReducer:
         with self._timed("encode"):
             if self.codec == "topk":
                 codec = topk.TopKCodec(numels, self.bits, self.chunk, self.density)
-            elif self.codec == "cyclic":
-                codec = cyclic.CyclicCodec(numels, self.bits, self.period, self.block, self.round)
             else:
                 codec = SegmentCodec(numels, self.payload_bits, self.block)
             body = codec.encode(self._dense_parts(x))
@@ -353,8 +346,7 @@ class CompressedReducer:
 
     # -- exchange ----------------------------------------------------------------------------
 
-    def _exchange(self, stage: str, codec: SegmentCodec | topk.TopKCodec | cyclic.CyclicCodec,
-                  body: torch.Tensor):
+    def _exchange(self, stage: str, codec: SegmentCodec | topk.TopKCodec, body: torch.Tensor):
         """All-gathers this rank's framed ``body``; returns (sum in cluster order, own decoded)."""
         with self._timed("encode"):
             header = wire.Header(self.codec, self.payload_bits, stage, self.round, self._me,
@@ -396,8 +388,7 @@ class CompressedReducer:
                         f"outer round {self.round}: cluster {k} runs different compression settings or "
                         f"state than cluster {self._me} (this one: codec {self.codec}, bits {self.bits}, "
                         f"rank {self.rank}, block {self.block}, adaptive {self.adaptive}, ranks "
-                        f"{self.ranks}, topk chunk {self.chunk}, density {self.density}, cyclic period "
-                        f"{self.period}); all clusters "
+                        f"{self.ranks}, topk chunk {self.chunk}, density {self.density}); all clusters "
                         "need the same compression flags and must resume "
                         "from the same checkpoint"
                     )
@@ -409,8 +400,8 @@ class CompressedReducer:
     # -- checkpointing -----------------------------------------------------------------------
 
     def _setup(self) -> tuple:
-        # A sparse codec's own settings only for it, so checkpoints of the others keep loading.
-        extra = {"topk": (self.chunk, self.density), "cyclic": (self.period,)}.get(self.codec, ())
+        # topk's settings only for topk, so checkpoints of the other codecs keep loading.
+        extra = (self.chunk, self.density) if self.codec == "topk" else ()
         return (_STATE_VERSION, self.codec, self.payload_bits, self.block, self.rank, self.min_rank,
                 self.adaptive, self.energy, self.seed, tuple(tuple(s) for s in self.shapes)) + extra
 
@@ -429,7 +420,7 @@ class CompressedReducer:
             raise ValueError(
                 "compression checkpoint was written with different settings: "
                 f"{state['setup']} (version, codec, bits, block, rank, min_rank, adaptive, energy, "
-                f"seed, shapes[, topk chunk, density | cyclic period]), this run has {self._setup()}"
+                f"seed, shapes[, topk chunk, density]), this run has {self._setup()}"
             )
         self.round = int(state["round"])
         self.ranks = [int(r) for r in state["ranks"]]
