@@ -38,6 +38,8 @@ def assert_one_line_error(proc, *needles):
     (["--dilocox", "--dilocox-outer-momentum", "1"], ["--dilocox-outer-momentum"]),
     (["--dilocox", "--dilocox-rank", "4", "--dilocox-min-rank", "6"], ["--dilocox-min-rank", "--dilocox-rank"]),
     (["--dilocox", "--dilocox-rank-energy", "1.5"], ["--dilocox-rank-energy"]),
+    (["--dilocox", "--dilocox-compression", "none", "--dilocox-keep-unsent"], ["--dilocox-keep-unsent"]),
+    (["--dilocox", "--no-dilocox-error-feedback", "--dilocox-keep-unsent"], ["--dilocox-keep-unsent", "--dilocox-error-feedback"]),
     (["--sequence-parallel"], ["--sequence-parallel"]),
     (["--save-interval", "10"], ["--save-interval needs --save"]),
     (["--load", "/nonexistent/ckpt"], ["--load", "/nonexistent/ckpt"]),
