@@ -10,7 +10,10 @@ cd "$(dirname "$0")/../.."
 source tools/setup_env.sh
 
 STUDY=${STUDY:-defaults}
-DATA=${DATA:-data/stdlib_big}
+# The pilot ran on the corpus in path order (its validation split is the corpus's tail); every
+# later study on documents in a seeded order, so that the split is a uniform sample (docs/data.md).
+if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
+DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 OUT=${OUT:-runs/convergence/$STUDY}
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
@@ -23,7 +26,7 @@ CLUSTERS=${CLUSTERS:-2}
 if [ ! -f "$DATA/corpus_text_document.idx" ]; then
   echo "> building the large corpus, tokenizer and dataset in $DATA"
   mkdir -p "$DATA"
-  python tools/make_corpus.py --source stdlib+site-packages --output "$DATA/corpus.jsonl"
+  python tools/make_corpus.py --source stdlib+site-packages ${ORDER[@]+"${ORDER[@]}"} --output "$DATA/corpus.jsonl"
   python tools/train_tokenizer.py --input "$DATA/corpus.jsonl" --json-keys text --vocab-size 4096 \
     --model-prefix "$DATA/sp"
   python tools/preprocess_data.py --input "$DATA/corpus.jsonl" --output-prefix "$DATA/corpus" \
