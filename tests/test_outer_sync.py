@@ -59,14 +59,15 @@ def config(mode, clusters=2, **kwargs):
     return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **kwargs})
 
 
-def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, keep_unsent=None, steps_out=None):
+def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, compress=False, keep_unsent=False,
+                  steps_out=None):
     """``landing``: the previous round's average is applied this many inner steps into a round;
-    ``keep_unsent`` (True or False): every replica compresses with ``topk_reducer()`` and keeps
-    its unsent progress or not; ``steps_out``: gets each boundary's replica digests."""
+    ``compress``: every replica compresses with ``topk_reducer()``; ``keep_unsent``: and keeps
+    its unsent progress; ``steps_out``: gets each boundary's replica digests."""
     replicas = [toy_init() for _ in range(clusters)]
-    compressors = None if keep_unsent is None else [topk_reducer() for _ in range(clusters)]
+    compressors = [topk_reducer() for _ in range(clusters)] if compress else None
     ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"],
-                          compressors, bool(keep_unsent))
+                          compressors, keep_unsent)
     base_digests = []
     for r in range(rounds):
         steps = H
@@ -327,8 +328,8 @@ def test_keep_unsent_matches_reference(ranks, name):
     reference with one compressor per replica, and another trajectory than restarting from base."""
     mode, landing = UNSENT_CASES[name]
     kept, reset = [], []
-    replicas, bases = run_reference(mode, landing=landing, keep_unsent=True, steps_out=kept)
-    _, reset_bases = run_reference(mode, landing=landing, keep_unsent=False, steps_out=reset)
+    replicas, bases = run_reference(mode, landing=landing, compress=True, keep_unsent=True, steps_out=kept)
+    _, reset_bases = run_reference(mode, landing=landing, compress=True, steps_out=reset)
     for r in range(ROUNDS):
         assert [ranks[k]["unsent"][name]["rounds"][r]["base"] for k in range(2)] == [bases[r]] * 2, r
         assert [ranks[k]["unsent"][name]["rounds"][r]["replica"] for k in range(2)] == kept[r], r

@@ -55,7 +55,7 @@ import math
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -68,31 +68,35 @@ Reducer = Callable[[list[torch.Tensor], Any], list[torch.Tensor]]
 Agree = Callable[[list[bool]], list[bool]]
 
 
-@dataclass
-class RoundStats:
-    """What happened at one round boundary (or at :meth:`OuterSync.finish`).
+@dataclass(frozen=True)
+class AppliedReduction:
+    """The reduction applied since the previous boundary: in ``sync`` this round's, in the
+    overlapping modes the previous round's, at :meth:`OuterSync.land` or at this boundary
+    (zeros when there was none)."""
 
-    ``bytes_sent``, ``comm_s``, ``wait_s`` and ``skipped`` describe the reduction whose result
-    was applied at this call (in the delay modes: the previous round's). ``pseudo_grad_*``
-    describe the local ``delta`` measured at this call (0 for ``finish``).
-    """
+    bytes_sent: int
+    """Payload bytes this rank sent to its outer group for it."""
+    comm_s: float
+    """Wall time of the reduction itself, measured in the worker thread."""
+    wait_s: float
+    """Time the training thread blocked waiting for it."""
+    skipped: bool
+    """It was non-finite somewhere in the model and was not applied."""
+
+
+@dataclass(frozen=True)
+class RoundStats(AppliedReduction):
+    """What happened at one round boundary (or at :meth:`OuterSync.finish`): the applied
+    reduction, and this rank's local ``delta`` measured at this call (0 for ``finish``)."""
 
     outer_step: int
     """Number of round boundaries passed so far (1 at the first)."""
     iteration: int
     """Training iteration given to :meth:`OuterSync.step`."""
-    bytes_sent: int
-    """Payload bytes this rank sent to the outer group for the applied reduction."""
-    comm_s: float
-    """Wall time of that reduction itself, measured in the worker thread."""
-    wait_s: float
-    """Time this call blocked waiting for the reduction."""
     pseudo_grad_norm: float
     """L2 norm of this rank's local ``delta`` (its shard only)."""
     pseudo_grad_sq: float
     """Squared L2 norm of the local ``delta``; sum it within the cluster for the global norm."""
-    skipped: bool
-    """The reduced pseudo-gradient was non-finite somewhere in the model and was not applied."""
 
 
 class ByteCounter:
@@ -150,15 +154,6 @@ class _Reduced(NamedTuple):
     grad: torch.Tensor
     comm_s: float
     nbytes: int
-
-
-class _Landed(NamedTuple):
-    """What :meth:`OuterSync.land` applied, reported by the next boundary's :class:`RoundStats`."""
-
-    nbytes: int
-    comm_s: float
-    wait_s: float
-    skipped: bool
 
 
 def _done(result: _Reduced) -> concurrent.futures.Future:
@@ -233,7 +228,7 @@ class OuterSync:
         self.outer_step = 0
         self._iteration = 0
         self._inflight: concurrent.futures.Future | None = None
-        self._landed: _Landed | None = None
+        self._landed: AppliedReduction | None = None  # by land(), for the next boundary to report
         # One worker: reductions run one at a time, in launch order, on every rank.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
@@ -254,8 +249,8 @@ class OuterSync:
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
         finite, local_ok = self.agree([result is None or all_finite(result.grad), math.isfinite(sq)])
         skipped = result is not None and not self._apply(result.grad, finite)
-        applied = self._landed or _Landed(result.nbytes if result else 0, result.comm_s if result else 0.0,
-                                          wait_s, skipped)
+        applied = self._landed or AppliedReduction(result.nbytes if result else 0,
+                                                   result.comm_s if result else 0.0, wait_s, skipped)
         self._landed = None
         if local_ok:
             anchor = self._anchor()
@@ -276,16 +271,8 @@ class OuterSync:
         if mode != "sync":
             self._submit(delta)  # hands delta over to the worker; no more reads here
 
-        return RoundStats(
-            outer_step=self.outer_step,
-            iteration=iteration,
-            bytes_sent=applied.nbytes,
-            comm_s=applied.comm_s,
-            wait_s=applied.wait_s,
-            pseudo_grad_norm=math.sqrt(sq),
-            pseudo_grad_sq=sq,
-            skipped=applied.skipped,
-        )
+        return RoundStats(**asdict(applied), outer_step=self.outer_step, iteration=iteration,
+                          pseudo_grad_norm=math.sqrt(sq), pseudo_grad_sq=sq)
 
     @torch.no_grad()
     def land(self) -> None:
@@ -305,7 +292,7 @@ class OuterSync:
             for p, b, s in zip(self.params, self.views(anchor), self.views(self.round_start)):
                 p.add_(b - s)
             self.round_start.copy_(anchor)
-        self._landed = _Landed(result.nbytes, result.comm_s, wait_s, skipped)
+        self._landed = AppliedReduction(result.nbytes, result.comm_s, wait_s, skipped)
 
     @torch.no_grad()
     def finish(self) -> RoundStats | None:
@@ -326,10 +313,9 @@ class OuterSync:
             self._write_params(self.base)
         if result is None:
             return None
-        return RoundStats(
-            self.outer_step, self._iteration, result.nbytes, result.comm_s, wait_s, 0.0, 0.0,
-            skipped,
-        )
+        return RoundStats(bytes_sent=result.nbytes, comm_s=result.comm_s, wait_s=wait_s, skipped=skipped,
+                          outer_step=self.outer_step, iteration=self._iteration,
+                          pseudo_grad_norm=0.0, pseudo_grad_sq=0.0)
 
     def close(self) -> None:
         """Stops the worker thread (waits for a running reduction)."""

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import math
 import time
+from dataclasses import fields
 from functools import partial
 
 import torch
@@ -17,7 +18,7 @@ from megatron.core import parallel_state
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
-from megatron_dilocox.outer.sync import ByteCounter, OuterSync, RoundStats, allreduce_mean
+from megatron_dilocox.outer.sync import AppliedReduction, ByteCounter, OuterSync, RoundStats, allreduce_mean
 from megatron_dilocox.platform.backend import device
 from megatron_dilocox.topology import Topology
 from megatron_dilocox.training.round_record import CodecRound, OuterRound
@@ -61,8 +62,7 @@ class DiLoCoX:
                 chunk=compression.topk_chunk, density=compression.topk_density)
         if emulated_delay_s > 0:
             reduce = _delayed(reduce, emulated_delay_s)
-        compressor = self.compressor
-        unsent = (lambda: compressor.residual) if compression.keep_unsent else None
+        unsent = (lambda: self.compressor.residual) if compression.keep_unsent else None
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
                               counter=self.counter, agree=self._agree, unsent=unsent)
         self._round_start_time = time.perf_counter()
@@ -169,9 +169,10 @@ class DiLoCoX:
         """The round's record (collective in the cluster: the norm); ``boundary``: the fields
         only a boundary has, not a drain (``round_compute_s``, ``local_steps``, adaptive H's measurements)."""
         between = self.audit.cross_cluster_bytes("step", "eval") if self.audit is not None else None
-        return OuterRound(outer_step=stats.outer_step, iteration=stats.iteration, bytes_sent=stats.bytes_sent,
-                          comm_s=stats.comm_s, wait_s=stats.wait_s, pseudo_grad_norm=self._norm(stats.pseudo_grad_sq),
-                          skipped=stats.skipped, drain=drain, compression=self._codec_round(stats),
+        applied = {f.name: getattr(stats, f.name) for f in fields(AppliedReduction)}
+        return OuterRound(**applied, outer_step=stats.outer_step, iteration=stats.iteration,
+                          pseudo_grad_norm=self._norm(stats.pseudo_grad_sq), drain=drain,
+                          compression=self._codec_round(stats),
                           cross_cluster_bytes_between_boundaries=between, **boundary)
 
     def step(self, iteration: int) -> OuterRound:

@@ -10,6 +10,8 @@ gives the JSON-lines record whose keys the tools read (README, "Metrics file").
 
 from dataclasses import asdict, dataclass
 
+from megatron_dilocox.outer.sync import AppliedReduction
+
 
 @dataclass(frozen=True)
 class CodecRound:
@@ -32,25 +34,18 @@ class CodecRound:
 
 
 @dataclass(frozen=True)
-class OuterRound:
-    """One round boundary (``drain``: the in-flight round applied at the end of training)."""
+class OuterRound(AppliedReduction):
+    """One round boundary (``drain``: the in-flight round applied at the end of training): the
+    applied reduction as this rank saw it, and the cluster's view of the round."""
 
     outer_step: int
     """Round boundaries passed so far (1 at the first)."""
     iteration: int
     """The training iteration the boundary follows."""
-    bytes_sent: int
-    """Payload bytes this rank sent to its outer group for the applied reduction."""
-    comm_s: float
-    """Wall time of that reduction, measured where it ran."""
-    wait_s: float
-    """Time the training thread blocked waiting for it."""
     pseudo_grad_norm: float
     """L2 norm of this cluster's whole pseudo-gradient (the replica's ``delta`` over all of its
     shards) measured at this boundary; 0 for a drain. Parameters replicated across
     tensor-parallel ranks (norms, biases) count once per TP rank."""
-    skipped: bool
-    """The applied average was non-finite somewhere and every rank skipped it."""
     drain: bool
     compression: CodecRound | None = None
     """With a codec, when a reduction was applied."""

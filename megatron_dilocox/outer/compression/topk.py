@@ -45,7 +45,6 @@ import math
 import torch
 
 from megatron_dilocox.config import QUANT_BITS
-from megatron_dilocox.outer.compression import bitpack
 
 BITS = QUANT_BITS["topk"]
 
@@ -96,7 +95,21 @@ def nbytes(numel: int, chunk: int, density: float, bits: int) -> int:
     return sum(sum(_section_bytes(r, n, density, bits)) for r, n in _sections(numel, chunk))
 
 
-def grid_codes(rows: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative integers below ``2**width`` as a bit stream, LSB first, padded to bytes."""
+    bits = ((values.reshape(-1, 1) >> torch.arange(width, device=values.device)) & 1).reshape(-1)
+    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
+    return (bits << torch.arange(8, device=values.device)).sum(1).to(torch.uint8)
+
+
+def _unpack(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: ``count`` int64 values of ``width`` bits."""
+    bits = (data.reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8, device=data.device)) & 1
+    bits = bits.reshape(-1)[: count * width].view(count, width).long()
+    return (bits << torch.arange(width, device=data.device)).sum(1)
+
+
+def _grid_codes(rows: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes of the rows' values on the grid of ``2**bits`` bin centres over ``[-s, s]`` (the
     module docstring), ``scale`` holding each row's ``s``; values beyond ``s`` clamp to the end
     bins, a row with ``s = 0`` codes its bins next to 0."""
@@ -106,8 +119,8 @@ def grid_codes(rows: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tens
     return codes.nan_to_num_(0.0).clamp_(0, levels - 1).long()
 
 
-def grid_values(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`grid_codes`: fp32 ``(2 c + 1 - M) / M * s``, ``scales`` the rows' ``s``
+def _grid_values(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_grid_codes`: fp32 ``(2 c + 1 - M) / M * s``, ``scales`` the rows' ``s``
     as the fp32 bytes the body carries. The same bits on every device."""
     levels = 2**bits
     # 2c + 1 - M and the division by the power of two M are exact; one rounding, the multiply.
@@ -129,12 +142,12 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
         keep[crowded] = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
     cols = keep.nonzero()[:, 1].view(-1, k)  # row-major: ascending within each chunk
     scale = mag.amax(1)
-    codes = grid_codes(rows.gather(1, cols), scale, bits)
+    codes = _grid_codes(rows.gather(1, cols), scale, bits)
     if _bitmap(length, density):
-        positions = bitpack.pack(keep.view(-1).long(), 1)
+        positions = _pack(keep.view(-1).long(), 1)
     else:
-        positions = bitpack.pack(cols, _width(length))
-    return [positions, bitpack.pack(codes, bits), scale.view(torch.uint8)]
+        positions = _pack(cols, _width(length))
+    return [positions, _pack(codes, bits), scale.view(torch.uint8)]
 
 
 def encode(x: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tensor:
@@ -158,10 +171,10 @@ def decode(body: torch.Tensor, numel: int, chunk: int, density: float, bits: int
         positions, codes, scales = body[start: start + sum(sizes)].split(sizes)
         start += sum(sizes)
         if _bitmap(n, density):
-            cols = bitpack.unpack(positions, r * n, 1).view(r, n).nonzero()[:, 1].view(r, k)
+            cols = _unpack(positions, r * n, 1).view(r, n).nonzero()[:, 1].view(r, k)
         else:
-            cols = bitpack.unpack(positions, r * k, _width(n)).view(r, k)
-        values = grid_values(bitpack.unpack(codes, r * k, bits).view(r, k), scales, bits)
+            cols = _unpack(positions, r * k, _width(n)).view(r, k)
+        values = _grid_values(_unpack(codes, r * k, bits).view(r, k), scales, bits)
         out[offset: offset + r * n].view(r, n).scatter_(1, cols, values)
         offset += r * n
     return out
