@@ -10,7 +10,8 @@ import argparse
 import math
 import os
 
-from megatron_dilocox.config import CODECS, DEFAULT_OVERLAP_STEPS, SYNC_MODES, CompressionConfig, DiLoCoXConfig
+from megatron_dilocox import flags
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.errors import ConfigError
 
 
@@ -153,100 +154,19 @@ def _dilocox_args(parser):
     g = parser.add_argument_group(
         "DiLoCoX", "Train C clusters apart and exchange a pseudo-gradient every H steps "
                    "instead of reducing gradients across clusters every step.")
-    defaults = DiLoCoXConfig()
     g.add_argument("--dilocox", action="store_true", help="Enable the DiLoCoX outer loop.")
-    g.add_argument("--dilocox-clusters", type=int, default=None,
-                   help=f"C: clusters; the world splits into C contiguous blocks of TP x PP x DP_in ranks "
-                        f"(default {defaults.clusters} with --dilocox). Without --dilocox they only say "
-                        f"which traffic is counted as cross-cluster, for comparisons.")
-    g.add_argument("--dilocox-local-steps", type=int, default=defaults.local_steps,
-                   help="H: inner steps per outer round.")
-    g.add_argument("--dilocox-min-local-steps", type=int, default=None, help="Lower bound of an adaptive H.")
-    g.add_argument("--dilocox-max-local-steps", type=int, default=None,
-                   help="Adapt H after every round (within these bounds) so that one round's exchange fits "
-                        "inside the next round's compute; H starts at --dilocox-local-steps.")
-    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES, default=defaults.sync_mode,
-                   help="delay: one-step-delay overlap, the replica trains on from where it is while the "
-                        "average is on its way; eager: the same overlap, restart from base plus 1/C of the "
-                        "fresh local progress; sync: blocking DiLoCo; delay-naive: ablation that drops fresh "
-                        "local progress (unstable).")
-    g.add_argument("--dilocox-overlap-steps", type=int, default=None,
-                   help=f"delay/eager: apply a round's average this many inner steps into the next round (the "
-                        f"exchange must finish by then); H or more: at the next boundary (default "
-                        f"{DEFAULT_OVERLAP_STEPS}; with adaptive H: the next boundary).")
-    g.add_argument("--dilocox-outer-lr", type=float, default=defaults.outer_lr, help="Outer SGD learning rate.")
-    g.add_argument("--dilocox-outer-momentum", type=float, default=defaults.outer_momentum,
-                   help="Outer SGD momentum (0: plain SGD; Nesterov when > 0 unless --dilocox-no-nesterov).")
-    g.add_argument("--dilocox-no-nesterov", action="store_false", dest="dilocox_nesterov",
-                   help="Plain momentum instead of Nesterov in the outer SGD.")
-    g.add_argument("--dilocox-offload-outer-state", action="store_true",
-                   help="Keep the outer state (fp32 base, momentum, residuals) in pinned CPU memory and stage "
-                        "the cross-cluster exchange through it over gloo (saves GPU memory; no-op on CPU).")
-    g.add_argument("--dilocox-outer-timeout-s", type=float, default=defaults.outer_timeout_s,
-                   help="Seconds a round waits for the cross-cluster reduction before failing.")
-    comp = CompressionConfig()
-    g.add_argument("--dilocox-compression", choices=CODECS, default=comp.codec,
-                   help="How the pseudo-gradient is compressed: low-rank (PowerSGD) factors of 2-D shards "
-                        "and/or blockwise absmax quantization; topk: each chunk's largest entries, low-bit "
-                        "(SparseLoCo-style).")
-    g.add_argument("--dilocox-quant-bits", type=int, choices=(8, 4, 3, 2), default=None,
-                   help="Bits per quantized value: 8 or 4 (default 8); topk: 2, 3 or 4 (default 2).")
-    g.add_argument("--dilocox-quant-block", type=int, default=comp.block, help="Values per quantization scale.")
-    g.add_argument("--dilocox-rank", type=int, default=comp.rank, help="Low-rank rank (upper bound when adaptive).")
-    g.add_argument("--dilocox-min-rank", type=int, default=comp.min_rank, help="Lower bound of the adaptive rank.")
-    g.add_argument("--dilocox-rank-energy", type=float, default=comp.rank_energy,
-                   help="Adaptive rank keeps this fraction of the previous round's spectrum energy.")
-    g.add_argument("--dilocox-adaptive", action="store_true", help="Choose each matrix's rank every round.")
-    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="Carry what compression dropped into the next round (default: on for topk, off "
-                        "for the others).")
-    g.add_argument("--dilocox-ef-decay", type=float, default=comp.ef_decay,
-                   help="Factor applied to the error-feedback residual each round (SparseLoCo: 0.95).")
-    g.add_argument("--dilocox-topk-density", type=float, default=comp.topk_density,
-                   help="topk: fraction of each chunk's entries sent (default 1/64).")
-    g.add_argument("--dilocox-topk-chunk", type=int, default=comp.topk_chunk,
-                   help="topk: elements per chunk; each keeps its own largest entries and fp32 scale.")
-    g.add_argument("--dilocox-keep-unsent", action="store_true",
-                   help="Each replica keeps the progress compression has not sent yet (the error-feedback "
-                        "residual) instead of restarting each round from the global weights.")
-    g.add_argument("--dilocox-emulated-delay-s", type=float, default=0.0,
-                   help="Add this many seconds to every cross-cluster reduction: see the overlap "
-                        "hide a slow link without one (benchmarks and tests).")
+    flags.add_flags(g, DiLoCoXConfig, "dilocox")
+    flags.add_flags(g, CompressionConfig, "dilocox")
 
 
 def dilocox_config(args) -> DiLoCoXConfig:
-    """The DiLoCoX settings of a parsed command line."""
-    return DiLoCoXConfig(
-        clusters=args.clusters,
-        local_steps=args.dilocox_local_steps,
-        min_local_steps=args.dilocox_min_local_steps,
-        max_local_steps=args.dilocox_max_local_steps,
-        sync_mode=args.dilocox_sync_mode,
-        overlap_steps=args.dilocox_overlap_steps,
-        outer_lr=args.dilocox_outer_lr,
-        outer_momentum=args.dilocox_outer_momentum,
-        nesterov=args.dilocox_nesterov,
-        outer_timeout_s=args.dilocox_outer_timeout_s,
-        offload_outer_state=args.dilocox_offload_outer_state,
-    )
+    """The DiLoCoX settings of a parsed command line (``args.clusters`` resolved by parse_args)."""
+    return flags.from_args(DiLoCoXConfig, args, "dilocox", clusters=args.clusters)
 
 
 def compression_config(args) -> CompressionConfig:
     """The pseudo-gradient compression settings of a parsed command line."""
-    return CompressionConfig(
-        codec=args.dilocox_compression,
-        bits=args.dilocox_quant_bits,
-        block=args.dilocox_quant_block,
-        rank=args.dilocox_rank,
-        min_rank=args.dilocox_min_rank,
-        rank_energy=args.dilocox_rank_energy,
-        adaptive=args.dilocox_adaptive,
-        error_feedback=args.dilocox_error_feedback,
-        ef_decay=args.dilocox_ef_decay,
-        topk_density=args.dilocox_topk_density,
-        topk_chunk=args.dilocox_topk_chunk,
-        keep_unsent=args.dilocox_keep_unsent,
-    )
+    return flags.from_args(CompressionConfig, args, "dilocox")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -388,8 +308,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.clusters = DiLoCoXConfig.clusters if args.dilocox else 1
     _require(args.clusters >= 1, f"--dilocox-clusters must be >= 1, got {args.clusters}")
-    _require(args.dilocox_emulated_delay_s >= 0,
-             f"--dilocox-emulated-delay-s must be >= 0, got {args.dilocox_emulated_delay_s}")
     args.dilocox_landing = None  # resolved below, so a run's recorded settings show when a default moves it
     if args.dilocox:
         _require(not (args.use_distributed_optimizer and args.pipeline_model_parallel_size > 1

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
 CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
 """``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
 QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
+ALL_QUANT_BITS = tuple(sorted({b for bits in QUANT_BITS.values() for b in bits}, reverse=True))
 
 
 def default_bits(codec: str) -> int:
@@ -28,69 +29,86 @@ round (closest to blocking ``sync`` of the overlapped settings measured, docs/co
 
 @dataclass
 class DiLoCoXConfig:
-    """Settings of the DiLoCoX outer loop (the ``--dilocox-*`` flags)."""
+    """Settings of the DiLoCoX outer loop: the ``--dilocox-*`` flags (:mod:`megatron_dilocox.flags`)."""
 
-    clusters: int = 2
-    """Number of clusters C; each holds a full model replica and trains on its own data.
-    ``--dilocox-clusters``."""
+    clusters: int = field(default=2, metadata={"resolved": True})
+    """C: clusters; the world splits into C contiguous blocks of TP x PP x DP_in ranks (default 2
+    with --dilocox). Without --dilocox they only say which traffic is counted as cross-cluster,
+    for comparisons.
+
+    Each cluster holds a full model replica and trains on its own data."""
 
     local_steps: int = 20
-    """Inner optimizer steps H between two outer synchronisations (the first H when adaptive).
-    ``--dilocox-local-steps``."""
+    """H: inner steps per outer round.
+
+    With adaptive H (:attr:`max_local_steps`) the first round's H."""
 
     min_local_steps: int | None = None
-    """Lower bound of an adaptive H. ``--dilocox-min-local-steps``."""
+    """Lower bound of an adaptive H."""
 
     max_local_steps: int | None = None
-    """Upper bound of an adaptive H; setting it turns adaptation on: after every round H becomes
-    the fewest steps whose compute covers the slowest measured exchange (with 20% margin), so one
-    round's communication hides inside the next round's training. ``--dilocox-max-local-steps``."""
+    """Adapt H after every round (within these bounds) so that one round's exchange fits inside
+    the next round's compute; H starts at --dilocox-local-steps.
 
-    sync_mode: str = "delay"
-    """Overlap policy at a round boundary. ``--dilocox-sync-mode``.
+    After every round H becomes the fewest steps whose compute covers the slowest measured
+    exchange (with 20% margin), so one round's communication hides inside the next round's
+    training."""
+
+    sync_mode: str = field(default="delay", metadata={"choices": SYNC_MODES})
+    """delay: one-step-delay overlap, the replica trains on from where it is while the average is
+    on its way; eager: the same overlap, restart from base plus 1/C of the fresh local progress;
+    sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).
 
     ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
-    ``delay`` (the default): one-step-delay overlap; the replica trains on from where it is (its
-    own fresh progress kept) while the round's average is on its way, and swaps that progress for
-    the average when it lands (:attr:`overlap_steps`).
-    ``eager``: as ``delay``, but the replica keeps only its 1/C share of its fresh progress (the
-    part of the coming average it already knows); better than ``delay`` when the average lands
-    only at the next boundary, worse when it lands within a step or two: the replica's first steps
-    after the boundary start from a point it never trained at (docs/convergence.md).
-    ``delay-naive``: ablation of ``delay`` that drops the fresh progress; unstable with the
-    default outer settings, never use it for real runs.
-    """
+    ``delay``: the replica trains on from where it is (its own fresh progress kept) while the
+    round's average is on its way, and swaps that progress for the average when it lands
+    (:attr:`overlap_steps`). ``eager``: as ``delay``, but the replica keeps only its 1/C share of
+    its fresh progress (the part of the coming average it already knows); better than ``delay``
+    when the average lands only at the next boundary, worse when it lands within a step or two:
+    the replica's first steps after the boundary start from a point it never trained at
+    (docs/convergence.md). ``delay-naive``: unstable with the default outer settings, never use
+    it for real runs."""
 
     overlap_steps: int | None = None
-    """``delay`` and ``eager``: inner steps a round's exchange overlaps before its average is
-    applied (:meth:`~megatron_dilocox.outer.sync.OuterSync.land`); H or more: at the next
-    boundary. None: :data:`DEFAULT_OVERLAP_STEPS` (with adaptive H, the next boundary: H is then
-    sized to hide the exchange in a whole round). The exchange must finish within these steps or
-    training waits for it (the round's ``wait_s``; tools/plan.py shows whether it hides).
-    ``--dilocox-overlap-steps``."""
+    """delay/eager: apply a round's average this many inner steps into the next round (the
+    exchange must finish by then); H or more: at the next boundary (default 1; with adaptive H:
+    the next boundary).
+
+    Applied by :meth:`~megatron_dilocox.outer.sync.OuterSync.land`. None: :attr:`landing`. If the
+    exchange has not finished within these steps, training waits for it (the round's ``wait_s``;
+    tools/plan.py shows whether it hides)."""
 
     outer_lr: float = 1.0
-    """Learning rate of the outer SGD. ``--dilocox-outer-lr``. 1.0 without momentum (the mean of
-    the replicas' progress, applied as it is) by measurement at H=10 (docs/convergence.md): 1.5
-    and outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled); 0.7 helped uncompressed
-    blocking DiLoCo a little but lost with the default codec."""
+    """Outer SGD learning rate.
+
+    1.0 without momentum (the mean of the replicas' progress, applied as it is) by measurement at
+    H=10 (docs/convergence.md): 1.5 and outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9
+    stalled); 0.7 helped uncompressed blocking DiLoCo a little but lost with the default codec."""
 
     outer_momentum: float = 0.0
-    """Momentum of the outer SGD, in [0, 1); 0 is plain SGD. ``--dilocox-outer-momentum``."""
+    """Outer SGD momentum, in [0, 1) (0: plain SGD; Nesterov when > 0 unless
+    --dilocox-no-nesterov)."""
 
     nesterov: bool = True
-    """Use Nesterov momentum in the outer SGD when ``outer_momentum`` > 0 (with 0 the outer step
-    is plain SGD either way); ``--dilocox-no-nesterov`` turns it off."""
+    """Plain momentum instead of Nesterov in the outer SGD.
+
+    (The flag turns Nesterov off; with momentum 0 the outer step is plain SGD either way.)"""
 
     offload_outer_state: bool = False
-    """Keep the outer state (fp32 base, round start, momentum, the in-flight result; with
-    compression also its warm starts and residuals) in pinned host memory instead of GPU memory;
-    the pseudo-gradient is staged through it and the exchange runs over gloo on CPU tensors.
-    No effect without CUDA (the state is in host memory anyway). ``--dilocox-offload-outer-state``."""
+    """Keep the outer state (fp32 base, momentum, residuals) in pinned CPU memory and stage the
+    cross-cluster exchange through it over gloo (saves GPU memory; no-op on CPU).
+
+    With compression the codec's warm starts and residuals move too; the round start and the
+    in-flight result as well."""
 
     outer_timeout_s: float = 3600.0
-    """Seconds a round boundary waits for the cross-cluster reduction before failing
-    (a dead peer cluster must not hang training forever). ``--dilocox-outer-timeout-s``."""
+    """Seconds a round waits for the cross-cluster reduction before failing.
+
+    A dead peer cluster must not hang training forever."""
+
+    emulated_delay_s: float = 0.0
+    """Add this many seconds to every cross-cluster reduction: see the overlap hide a slow link
+    without one (benchmarks and tests)."""
 
     @property
     def landing(self) -> int | None:
@@ -148,62 +166,71 @@ class DiLoCoXConfig:
             raise ValueError(
                 f"--dilocox-outer-timeout-s must be > 0, got {self.outer_timeout_s}"
             )
+        if not self.emulated_delay_s >= 0:
+            raise ValueError(f"--dilocox-emulated-delay-s must be >= 0, got {self.emulated_delay_s}")
 
 
 @dataclass
 class CompressionConfig:
-    """How the pseudo-gradient is compressed for the cross-cluster exchange (``--dilocox-*``)."""
+    """How the pseudo-gradient is compressed for the cross-cluster exchange: the ``--dilocox-*``
+    compression flags (:mod:`megatron_dilocox.flags`)."""
 
-    codec: str = "topk"
-    """``none``, ``quantize``, ``lowrank``, ``lowrank-quantize`` or ``topk``. ``--dilocox-compression``.
-    ``topk`` by measurement: the lowest loss of the codecs sending at least 100x fewer bytes per round
-    than dense fp32 (rank-8 8-bit low rank without error feedback stalled; docs/convergence.md)."""
+    codec: str = field(default="topk", metadata={"flag": "compression", "choices": CODECS})
+    """How the pseudo-gradient is compressed: low-rank (PowerSGD) factors of 2-D shards and/or
+    blockwise absmax quantization; topk: each chunk's largest entries, low-bit (SparseLoCo-style).
 
-    bits: int | None = None
-    """Bits per quantized value, 8 or 4; ``topk``: 2, 3 or 4. ``--dilocox-quant-bits``. None: 8
-    (2 for ``topk``). 8: rank 8 with 8-bit factors sent 96x fewer bytes than fp32 at +0.8% loss,
-    4-bit 189x at +2% (docs/compression.md). ``topk``'s 2 (as SparseLoCo's): 141x fewer bytes than
-    fp32 at density 1/64; its indices (12 bits each in chunks of 4096) outweigh the values, so 4-bit
-    values would send 124x."""
+    ``topk`` by measurement: the lowest loss of the codecs sending at least 100x fewer bytes per
+    round than dense fp32 (rank-8 8-bit low rank without error feedback stalled;
+    docs/convergence.md)."""
 
-    block: int = 256
-    """Values per quantization block (one fp32 absmax scale each). ``--dilocox-quant-block``."""
+    bits: int | None = field(default=None, metadata={"flag": "quant-bits", "choices": ALL_QUANT_BITS})
+    """Bits per quantized value: 8 or 4 (default 8); topk: 2, 3 or 4 (default 2).
+
+    8: rank 8 with 8-bit factors sent 96x fewer bytes than fp32 at +0.8% loss, 4-bit 189x at +2%
+    (docs/compression.md). ``topk``'s 2 (as SparseLoCo's): 141x fewer bytes than fp32 at density
+    1/64; its indices (12 bits each in chunks of 4096) outweigh the values, so 4-bit values would
+    send 124x."""
+
+    block: int = field(default=256, metadata={"flag": "quant-block"})
+    """Values per quantization scale (one fp32 absmax each)."""
 
     rank: int = 8
-    """Low-rank (PowerSGD) rank of 2-D shards; the upper bound when adaptive. ``--dilocox-rank``."""
+    """Low-rank rank (upper bound when adaptive)."""
 
     min_rank: int = 1
-    """Lower bound of the adaptive rank. ``--dilocox-min-rank``."""
+    """Lower bound of the adaptive rank."""
 
     rank_energy: float = 0.9
-    """Adaptive rank keeps the smallest rank holding this fraction of the previous round's
-    spectrum energy. ``--dilocox-rank-energy``."""
+    """Adaptive rank keeps this fraction of the previous round's spectrum energy."""
 
     adaptive: bool = False
-    """Choose each matrix's rank every round from the spectrum. ``--dilocox-adaptive``."""
+    """Choose each matrix's rank every round."""
 
     error_feedback: bool | None = None
-    """Keep what compression dropped and add it to the next round. ``--dilocox-error-feedback``.
-    None: on for ``topk``, which drops most entries every round (they must arrive later), off for
-    the others by measurement: with outer momentum the residual grew to 3x the pseudo-gradient and
+    """Carry what compression dropped into the next round (default: on for topk, off for the
+    others).
+
+    On for ``topk``, which drops most entries every round (they must arrive later); off for the
+    others by measurement: with outer momentum the residual grew to 3x the pseudo-gradient and
     bought no loss (docs/compression.md)."""
 
     ef_decay: float = 0.95
-    """Factor applied to the kept residual each round, in [0, 1]. ``--dilocox-ef-decay``. 0.95 (as
-    SparseLoCo's): with ``topk`` it ended at the loss of 1.0 (docs/convergence.md) while keeping
-    the residual bounded (about 8x the pseudo-gradient instead of growing past 30x)."""
+    """Factor applied to the error-feedback residual each round, in [0, 1] (SparseLoCo: 0.95).
+
+    With ``topk`` it ended at the loss of 1.0 (docs/convergence.md) while keeping the residual
+    bounded (about 8x the pseudo-gradient instead of growing past 30x)."""
 
     topk_density: float = 1 / 64
-    """``topk``: fraction of each chunk's entries sent, in (0, 1]. ``--dilocox-topk-density``."""
+    """topk: fraction of each chunk's entries sent, in (0, 1] (default 1/64)."""
 
     topk_chunk: int = 4096
-    """``topk``: elements per chunk (each keeps its own top entries and scale).
-    ``--dilocox-topk-chunk``."""
+    """topk: elements per chunk; each keeps its own largest entries and fp32 scale."""
 
     keep_unsent: bool = False
-    """Each replica keeps in its weights what compression has not yet sent of its own progress
-    (the error-feedback residual), restarting a round from ``base - residual`` instead of the
-    global weights. ``--dilocox-keep-unsent``; needs error feedback."""
+    """Each replica keeps the progress compression has not sent yet (the error-feedback residual)
+    instead of restarting each round from the global weights.
+
+    A round then restarts from ``base - residual``; needs error feedback (docs/dilocox.md)."""
 
     def __post_init__(self):
         if self.bits is None:

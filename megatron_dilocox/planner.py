@@ -80,7 +80,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig, default_bits, default_error_feedback
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.outer.compression import topk
 from megatron_dilocox.outer.compression.lowrank import saves_bytes
 from megatron_dilocox.outer.compression.quantize import nbytes
@@ -254,39 +254,6 @@ class Layout:
 
 
 @dataclass
-class DiLoCoXSettings:
-    """The ``--dilocox-*`` settings the plan depends on; defaults are pretrain_gpt.py's."""
-
-    clusters: int = DiLoCoXConfig.clusters
-    local_steps: int = DiLoCoXConfig.local_steps
-    compression: str = CompressionConfig.codec
-    quant_bits: int | None = None
-    """None: the codec's default (:func:`~megatron_dilocox.config.default_bits`)."""
-    rank: int = CompressionConfig.rank
-    block: int = CompressionConfig.block
-    topk_density: float = CompressionConfig.topk_density
-    topk_chunk: int = CompressionConfig.topk_chunk
-    sync_mode: str = DiLoCoXConfig.sync_mode
-    overlap_steps: int | None = DiLoCoXConfig.overlap_steps
-    """``--dilocox-overlap-steps`` (None: the default, :attr:`DiLoCoXConfig.landing`)."""
-
-    @property
-    def landing(self) -> int | None:
-        """Inner steps into the next round at which an average lands (None: at the boundary)."""
-        return DiLoCoXConfig(sync_mode=self.sync_mode, overlap_steps=self.overlap_steps).landing
-    error_feedback: bool | None = None
-    """None: the codec's default (on for topk only)."""
-    offload_outer_state: bool = False
-    """``--dilocox-offload-outer-state``: outer state in pinned host memory, not on the GPU."""
-
-    def __post_init__(self):
-        if self.quant_bits is None:
-            self.quant_bits = default_bits(self.compression)
-        if self.error_feedback is None:
-            self.error_feedback = default_error_feedback(self.compression)
-
-
-@dataclass
 class Machine:
     gpu_memory_gib: float = 80.0
     gpu_tflops: float = 400.0
@@ -367,7 +334,8 @@ def stage_flops_per_token(m: ModelShape, tp: int, pp: int, stage: int, recompute
     return layers + logits
 
 
-def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
+def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, mach: Machine) -> Plan:
+    """The plan of a model, layout, DiLoCoX and compression settings (pretrain_gpt.py's configs) and machine."""
     tp, pp, c = lay.tp, lay.pp, d.clusters
     if mach.gpus_per_cluster % (tp * pp):
         raise ValueError(f"--gpus-per-cluster {mach.gpus_per_cluster} not divisible by TP x PP = {tp * pp}")
@@ -396,7 +364,7 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
     else:
         act = full_layer * per_stage * in_flight
     adam = (12 if lay.bf16 else 8) * n_rank / (dp_in if lay.use_distributed_optimizer else 1)
-    outer = (OUTER_BYTES_PER_PARAM[d.sync_mode] + 4 * d.error_feedback) * n_outer if c > 1 else 0.0
+    outer = (OUTER_BYTES_PER_PARAM[d.sync_mode] + 4 * comp.error_feedback) * n_outer if c > 1 else 0.0
     p.memory = dict(
         weights=(2 if lay.bf16 else 4) * n_rank, grads=4 * n_rank, inner_optimizer=adam,
         outer_state=0.0 if d.offload_outer_state else outer, activations=act,
@@ -427,9 +395,9 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> Plan:
                 out.append(t.shape)
         return out
 
-    payload = [codec_bytes(shard(ts), d.compression, d.quant_bits, d.rank, d.block, d.topk_chunk, d.topk_density)
+    payload = [codec_bytes(shard(ts), comp.codec, comp.bits, comp.rank, comp.block, comp.topk_chunk, comp.topk_density)
                for ts in outer_stages]
-    wire = (lambda x: 2 * (c - 1) / c * x) if d.compression == "none" else (lambda x: (c - 1) * x)
+    wire = (lambda x: 2 * (c - 1) / c * x) if comp.codec == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)
     exchange = dl_link / inter_bw
@@ -511,7 +479,7 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
 
 
-def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machine) -> str:
+def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, mach: Machine) -> str:
     """The plan as text, one figure a line."""
     L = [
         f"parameters: {p.params:,} ({p.params / 1e9:.3f} B); padded vocab "
@@ -538,8 +506,8 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXSettings, mach: Machin
         f"({s['tokens_per_step']:,.0f} tokens)",
         f"AllReduce baseline: {_fmt_bytes(p.allreduce['bytes_per_rank_per_step'])} per rank per step across "
         f"clusters, link time {_fmt_s(p.allreduce['comm'])} -> step {_fmt_s(p.allreduce['step'])}",
-        f"DiLoCoX ({d.compression}, {d.quant_bits}-bit, "
-        f"{f'density {d.topk_density:g}' if d.compression == 'topk' else f'rank {d.rank}'}, "
+        f"DiLoCoX ({comp.codec}, {comp.bits}-bit, "
+        f"{f'density {comp.topk_density:g}' if comp.codec == 'topk' else f'rank {comp.rank}'}, "
         f"H {d.local_steps}, {d.sync_mode}{f', lands after {d.landing}' if d.landing else ''}): "
         f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
         f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "

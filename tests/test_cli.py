@@ -63,6 +63,37 @@ def test_every_flag_has_help():
         assert [a.option_strings for a in parser._actions if not a.help] == []
 
 
+def test_every_dilocox_flag_reaches_its_config_field():
+    """Flags generated from the config dataclasses: each given value lands in its own field."""
+    sys.path.insert(0, str(REPO))
+    from megatron_dilocox.arguments import compression_config, dilocox_config, parse_args
+    from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    args = parse_args(base + [
+        "--dilocox", "--dilocox-clusters", "3", "--dilocox-local-steps", "7", "--dilocox-min-local-steps", "2",
+        "--dilocox-max-local-steps", "9", "--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "4",
+        "--dilocox-outer-lr", "0.5", "--dilocox-outer-momentum", "0.3", "--dilocox-no-nesterov",
+        "--dilocox-offload-outer-state", "--dilocox-outer-timeout-s", "12", "--dilocox-emulated-delay-s", "0.25",
+        "--dilocox-compression", "lowrank-quantize", "--dilocox-quant-bits", "4", "--dilocox-quant-block", "64",
+        "--dilocox-rank", "5", "--dilocox-min-rank", "2", "--dilocox-rank-energy", "0.8", "--dilocox-adaptive",
+        "--dilocox-error-feedback", "--dilocox-ef-decay", "0.5", "--dilocox-topk-density", "0.25",
+        "--dilocox-topk-chunk", "128", "--dilocox-keep-unsent"])
+    assert dilocox_config(args) == DiLoCoXConfig(
+        clusters=3, local_steps=7, min_local_steps=2, max_local_steps=9, sync_mode="eager", overlap_steps=4,
+        outer_lr=0.5, outer_momentum=0.3, nesterov=False, offload_outer_state=True, outer_timeout_s=12.0,
+        emulated_delay_s=0.25)
+    assert compression_config(args) == CompressionConfig(
+        codec="lowrank-quantize", bits=4, block=64, rank=5, min_rank=2, rank_energy=0.8, adaptive=True,
+        error_feedback=True, ef_decay=0.5, topk_density=0.25, topk_chunk=128, keep_unsent=True)
+    plain = parse_args(base + ["--dilocox"])
+    assert dilocox_config(plain) == DiLoCoXConfig() and compression_config(plain) == CompressionConfig()
+    assert compression_config(parse_args(base + ["--dilocox", "--no-dilocox-error-feedback"])).error_feedback is False
+    assert parse_args(base).clusters == 1  # without --dilocox one cluster, unless --dilocox-clusters says
+
+
 def test_a_run_outside_the_environment_names_what_is_missing(tmp_path):
     python = _without_torch(tmp_path)
     proc = subprocess.run([python, "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32",

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from megatron_dilocox import planner as pl
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 
 # The quickstart model (examples/quickstart_gpt.sh): 4 layers, hidden 256, 4 heads, ffn 4h,
 # seq 128 with learned positions, vocab 4096 (already a multiple of 128), tied output.
@@ -69,8 +70,6 @@ def test_topk_codec_bytes_are_the_reducers(bits):
     red = CompressedReducer(shapes, "topk", bits=bits)
     red([torch.ones(red.numel)], None)
     assert pl.codec_bytes(shapes, "topk", bits=bits) == red.last_stats["payload_bytes"]
-    d = pl.DiLoCoXSettings(compression="topk")
-    assert d.quant_bits == 2 and d.error_feedback  # the codec's defaults, as pretrain_gpt.py's
 
 
 def test_tied_copy_stays_out_of_the_outer_loop():
@@ -83,8 +82,8 @@ def test_tied_copy_stays_out_of_the_outer_loop():
     assert pl.outer_tensors(untied, 1, 2, 1) == pl.stage_tensors(untied, 1, 2, 1)
     lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=16)
     mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=0.01)
-    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="quantize", quant_bits=4)
-    p = pl.plan(m, lay, d, mach)
+    d = (DiLoCoXConfig(clusters=2, local_steps=10), CompressionConfig(codec="quantize", bits=4))
+    p = pl.plan(m, lay, *d, mach)
     assert p.dilocox["payload_per_stage"] == [
         pl.codec_bytes([t.shape for t in pl.outer_tensors(m, 1, 2, k)], "quantize", bits=4) for k in range(2)]
     assert p.outer_shard_params == sum(t.numel for t in pl.stage_tensors(m, 1, 2, 0))  # the largest outer shard
@@ -93,9 +92,9 @@ def test_tied_copy_stays_out_of_the_outer_loop():
 def test_memory_arithmetic_small_case():
     m = pl.ModelShape(**QS)
     lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, use_distributed_optimizer=True, bf16=True)
-    d = pl.DiLoCoXSettings(clusters=2, local_steps=20, sync_mode="delay", compression="lowrank-quantize")
+    d = (DiLoCoXConfig(clusters=2, local_steps=20, sync_mode="delay"), CompressionConfig(codec="lowrank-quantize"))
     mach = pl.Machine(gpus_per_cluster=4, gpu_memory_gib=1)
-    p = pl.plan(m, lay, d, mach)
+    p = pl.plan(m, lay, *d, mach)
     n = 1_048_576 + 32_768 + 2 * 789_760  # first stage is the larger one
     assert p.dp_in == 2 and p.num_microbatches == 2 and p.params_per_rank == n
     assert p.memory["weights"] == 2 * n and p.memory["grads"] == 4 * n
@@ -107,7 +106,7 @@ def test_memory_arithmetic_small_case():
     assert p.memory["activations"] == per_layer * 2 * 2  # 2 layers/stage x min(PP, m) = 2 in flight
     assert p.fits
     rec = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, bf16=True,
-                               recompute_full=True), d, mach)
+                               recompute_full=True), *d, mach)
     assert rec.memory["activations"] == 2 * s * b * h * 2 * 2 + per_layer
 
 
@@ -120,17 +119,18 @@ def test_outer_state_offload_sync_and_error_feedback():
         ("delay", False, False): 20, ("delay", True, False): 24, ("sync", False, False): 16,
         ("sync", True, True): 20, ("delay", False, True): 20,
     }
-    base = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2), mach)
+    base = pl.plan(m, lay, DiLoCoXConfig(clusters=2), CompressionConfig(), mach)
     for (mode, ef, off), per_param in cases.items():
-        p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, sync_mode=mode, error_feedback=ef,
-                                               offload_outer_state=off), mach)
+        p = pl.plan(m, lay, DiLoCoXConfig(clusters=2, sync_mode=mode, offload_outer_state=off),
+                    CompressionConfig(error_feedback=ef), mach)
         gpu, host = (0, per_param * shard) if off else (per_param * shard, 0)
         assert (p.memory["outer_state"], p.host_memory["outer_state"]) == (gpu, host), (mode, ef, off)
         others = sum(v for k, v in p.memory.items() if k != "outer_state")
         assert others == sum(v for k, v in base.memory.items() if k != "outer_state")
         assert p.gpu_bytes == others + gpu
     # one cluster: no outer loop, no outer state
-    one = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32), pl.DiLoCoXSettings(clusters=1),
+    one = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32), DiLoCoXConfig(clusters=1),
+                  CompressionConfig(),
                   pl.Machine(gpus_per_cluster=2))
     assert one.memory["outer_state"] == 0 and one.allreduce["comm"] == 0 and one.ratio == 1
 
@@ -153,7 +153,7 @@ def test_step_time_gpu_pipeline_by_hand():
     m = pl.ModelShape(**QS)
     lay = pl.Layout(tp=2, pp=2, micro_batch_size=4, global_batch_size=64, bf16=True)
     mach = pl.Machine(gpus_per_cluster=8, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, tp_bandwidth_gbps=16.0)
-    p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, compression="none"), mach)
+    p = pl.plan(m, lay, DiLoCoXConfig(clusters=2), CompressionConfig(codec="none"), mach)
     # DP_in = 8 / 4 = 2, micro-batches = 64 / (4 x 2 x 2) = 4, tokens per micro-batch 512
     assert p.dp_in == 2 and p.num_microbatches == 4
     layer = 1_703_936 / 2
@@ -176,29 +176,30 @@ def test_step_time_cpu_mode_by_hand():
     tokens = 16 * 128
     one = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0)
     lay = pl.Layout(micro_batch_size=4, global_batch_size=16)
-    p = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), one)
+    p = pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), one)
     assert math.isclose(p.step["total"], per_token * tokens / 16e9)  # one process: all threads
     # element-wise work: 4 layers x 2048 tokens x 256 hidden x 100 ns at one thread, sped up 1.6x
     # by the threads of a single process; every TP rank does all of it, so TP2 halves only the matmuls
     ew = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                     cpu_elementwise_ns=100.0)
-    p_ew = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), ew)
+    p_ew = pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), ew)
     assert math.isclose(p_ew.step["elementwise"], 100e-9 * tokens * 256 * 4 / 1.6)
     assert math.isclose(p_ew.step["total"], p.step["total"] + p_ew.step["elementwise"])
     tp2 = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                      cpu_elementwise_ns=100.0, tp_bandwidth_gbps=8.0)
-    p_tp2 = pl.plan(m, pl.Layout(tp=2, micro_batch_size=4, global_batch_size=16), pl.DiLoCoXSettings(clusters=1), tp2)
+    p_tp2 = pl.plan(m, pl.Layout(tp=2, micro_batch_size=4, global_batch_size=16), DiLoCoXConfig(clusters=1),
+                    CompressionConfig(), tp2)
     tp_comm = 4 * 4 * 2 * 0.5 * 512 * 256 * 4 / 1e9  # 4 layers x 4 all-reduces per micro-batch
     per_mb = pl.stage_flops_per_token(m, 2, 1, 0) * 512 / 10e9 + 100e-9 * 512 * 256 * 4 + tp_comm
     assert math.isclose(p_tp2.step["total"], 4 * per_mb)
     with pytest.raises(ValueError, match="--cpu-elementwise-ns"):
-        pl.plan(m, lay, pl.DiLoCoXSettings(clusters=1), pl.Machine(gpus_per_cluster=1, cpu_cores=2,
+        pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), pl.Machine(gpus_per_cluster=1, cpu_cores=2,
                 cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0, cpu_elementwise_ns=-1.0))
     # 2 clusters x PP2 on 4 single-threaded processes sharing 2 cores: the cores bound wins
     four = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                       intra_bandwidth_gbps=8.0)
     lay2 = pl.Layout(pp=2, micro_batch_size=4, global_batch_size=16)
-    q = pl.plan(m, lay2, pl.DiLoCoXSettings(clusters=2), four)
+    q = pl.plan(m, lay2, DiLoCoXConfig(clusters=2), CompressionConfig(), four)
     assert math.isclose(q.step["cores_bound"], per_token * tokens / 10e9 / 2)
     mm = [2 * 3 * 1_703_936 * 512 / 10e9, (2 * 3 * 1_703_936 + 3 * 2 * 4096 * 256) * 512 / 10e9]
     tau = [mm[0] + 2 * 512 * 256 * 4 / 1e9, mm[1]]
@@ -210,8 +211,8 @@ def test_step_and_ratio_arithmetic():
     m = pl.ModelShape(**QS)
     lay = pl.Layout(tp=1, pp=1, micro_batch_size=1, global_batch_size=4)
     mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=8.0)
-    d = pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none", overlap_steps=10)  # lands at the boundary
-    p = pl.plan(m, lay, d, mach)
+    d = (DiLoCoXConfig(clusters=2, local_steps=10, overlap_steps=10), CompressionConfig(codec="none"))  # lands at the boundary
+    p = pl.plan(m, lay, *d, mach)
     n = p.params_per_rank
     assert math.isclose(p.step["compute"], pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
     assert math.isclose(p.step["intra_allreduce"], 2 * 0.5 * 4 * n / 1e9)
@@ -220,7 +221,7 @@ def test_step_and_ratio_arithmetic():
     assert math.isclose(p.dilocox["exchange"], 2 * (1 * 4 * n) / 1e9)
     assert math.isclose(p.ratio, 10 * p.allreduce["step"] / max(10 * p.step["total"], p.dilocox["exchange"]))
     # The default lands 1 step into the next round: only 1 step's compute hides the exchange.
-    early = pl.plan(m, lay, pl.DiLoCoXSettings(clusters=2, local_steps=10, compression="none"), mach)
+    early = pl.plan(m, lay, DiLoCoXConfig(clusters=2, local_steps=10), CompressionConfig(codec="none"), mach)
     window = p.step["total"]
     assert p.dilocox["exchange"] > window and not early.dilocox["hidden"] and p.dilocox["hidden"]
     assert math.isclose(early.dilocox["round"], 10 * p.step["total"] + p.dilocox["exchange"] - window)
@@ -247,7 +248,7 @@ def test_cli_plans_a_launch_with_its_own_flags(capsys):
     launch = vanilla + ["--dilocox", "--dilocox-local-steps", "10", "--dilocox-sync-mode", "sync"]
     ns = cli.resolve(["--gpus-per-cluster", "2", "--", *launch, "--not-a-flag", "1"])
     assert "does not know --not-a-flag" in capsys.readouterr().err
-    model, lay, d, mach = cli.configs(ns)
+    model, lay, d, _, mach = cli.configs(ns)
     assert (lay.pp, lay.micro_batch_size, lay.global_batch_size, d.clusters, d.local_steps, d.sync_mode,
             model.vocab_size) == (2, 4, 16, 2, 10, "sync", 4096)
     direct = cli.resolve(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",

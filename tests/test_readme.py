@@ -2,6 +2,7 @@
 fewer iterations, the data and run folders under a temporary directory, and this session's corpus."""
 
 import re
+from fractions import Fraction
 import shlex
 import subprocess
 import sys
@@ -51,3 +52,38 @@ def test_running_your_own_job_as_written(tiny_dataset, tmp_path):
     assert not [name for name, log in logs.items() if "Warning" in log or "Traceback" in log], logs
     train = logs["step4.log"]
     assert train.count("> CPU: gloo process groups, megatron-core's local layer spec") == 1, train
+
+
+def _readme_default(text: str):
+    """A README default cell as a value: `off` is False, numbers (1/64 too) as numbers."""
+    text = re.sub(r"\s*\(.*\)$", "", text).strip("` ")
+    if text == "off":
+        return False
+    try:
+        return float(Fraction(text))
+    except ValueError:
+        return text
+
+
+def test_dilocox_flag_table_matches_the_parser():
+    """README's DiLoCoX table names every --dilocox-* flag of pretrain_gpt.py, and the defaults it
+    states are the parser's (flags whose default is resolved after parsing are not compared)."""
+    from megatron_dilocox.arguments import build_parser
+
+    text = (REPO / "README.md").read_text()
+    table = re.search(r"### DiLoCoX\n.*?\| flag \| default \| meaning \|\n\|---\|---\|---\|\n((?:\|[^\n]*\n)+)", text, re.S)
+    rows = {}
+    for line in table.group(1).splitlines():
+        flags_cell, default_cell = (cell.strip() for cell in line.split("|")[1:3])
+        names = [name.strip("` ") for name in flags_cell.split(" / ")]
+        defaults = default_cell.split(" / ") if len(names) > 1 else [default_cell]
+        assert len(defaults) == len(names), line
+        rows.update(zip(names, defaults))
+    actions = {a.option_strings[0]: a for a in build_parser()._actions
+               if a.option_strings and a.option_strings[0].startswith("--dilocox-")}
+    assert sorted(rows) == sorted(actions)
+    for name, action in actions.items():
+        if action.default is None:
+            continue
+        shown = False if action.nargs == 0 else action.default  # a switch's default is "off"
+        assert _readme_default(rows[name]) == shown, name

@@ -21,7 +21,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dilocox.errors import missing_dependency  # noqa: E402
-from megatron_dilocox.config import CODECS, SYNC_MODES, CompressionConfig, DiLoCoXConfig  # noqa: E402
+from megatron_dilocox import flags  # noqa: E402
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig  # noqa: E402
+
+PLANNED_OUTER = ("clusters", "local_steps", "sync_mode", "overlap_steps", "offload_outer_state")
+PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback")
+"""The DiLoCoX and compression settings the plan depends on (their pretrain_gpt.py flags)."""
 
 PAPER_RATIO = 357.0
 """DiLoCoX paper (arXiv 2506.21263): 107B over 1 Gbps, 357x faster than vanilla AllReduce."""
@@ -88,23 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="'full' keeps layer inputs only (+33%% compute); 'selective' is modelled as none.")
     g = ap.add_argument_group("DiLoCoX")
-    g.add_argument("--dilocox-clusters", type=int, help="Clusters joined by the slow link.")
-    g.add_argument("--dilocox-local-steps", type=int, help="H: inner steps per outer round.")
-    g.add_argument("--dilocox-compression", choices=CODECS, help="Pseudo-gradient codec.")
-    g.add_argument("--dilocox-quant-bits", type=int, choices=[8, 4, 3, 2], help="Default 8 (topk: 2).")
-    g.add_argument("--dilocox-quant-block", type=int, help="Values per quantization scale.")
-    g.add_argument("--dilocox-topk-density", type=float, help="topk: fraction of each chunk's entries sent.")
-    g.add_argument("--dilocox-topk-chunk", type=int, help="topk: elements per chunk.")
-    g.add_argument("--dilocox-rank", type=int, help="Low-rank rank.")
-    g.add_argument("--dilocox-sync-mode", choices=SYNC_MODES,
-                   help="sync blocks on the exchange; the other modes overlap it with the next round.")
-    g.add_argument("--dilocox-overlap-steps", type=int,
-                   help="delay/eager: the exchange must finish within this many steps of the next round "
-                        "(default: all H).")
-    g.add_argument("--dilocox-error-feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="Counts the error-feedback residual in the outer state (default: on for topk only).")
-    g.add_argument("--dilocox-offload-outer-state", action="store_true", default=None,
-                   help="Outer state (fp32 base, momentum, round start, residual) in pinned host memory.")
+    flags.add_flags(g, DiLoCoXConfig, "dilocox", names=PLANNED_OUTER, unset=True)
+    flags.add_flags(g, CompressionConfig, "dilocox", names=PLANNED_COMPRESSION, unset=True)
     g = ap.add_argument_group("machine")
     g.add_argument("--gpu-memory-gib", type=float, help="Memory per GPU.")
     g.add_argument("--gpu-tflops", type=float, help="Achievable dense bf16 TFLOP/s per GPU.")
@@ -132,12 +122,8 @@ DEFAULTS = dict(
     position_embedding_type="learned_absolute", normalization="LayerNorm", make_vocab_size_divisible_by=128,
     swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
     use_distributed_optimizer=False, bf16=False,
-    dilocox_clusters=DiLoCoXConfig.clusters, dilocox_local_steps=DiLoCoXConfig.local_steps,
-    dilocox_sync_mode=DiLoCoXConfig.sync_mode, dilocox_overlap_steps=DiLoCoXConfig.overlap_steps,
-    dilocox_compression=CompressionConfig.codec,
-    dilocox_quant_bits=None, dilocox_quant_block=CompressionConfig.block, dilocox_rank=CompressionConfig.rank,
-    dilocox_topk_density=CompressionConfig.topk_density, dilocox_topk_chunk=CompressionConfig.topk_chunk,
-    dilocox_error_feedback=None, dilocox_offload_outer_state=False,
+    **flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER),
+    **flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
     gpu_memory_gib=80.0, gpu_tflops=400.0, intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0,
     inter_bandwidth_gbps=1.0, inter_link="shared", cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
 )
@@ -146,10 +132,8 @@ LAUNCH_KEYS = (
     "max_position_embeddings", "position_embedding_type", "normalization", "vocab_size",
     "make_vocab_size_divisible_by", "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
-    "use_distributed_optimizer", "bf16", "recompute_granularity", "dilocox_clusters", "dilocox_local_steps",
-    "dilocox_compression", "dilocox_quant_bits", "dilocox_quant_block", "dilocox_rank", "dilocox_sync_mode",
-    "dilocox_overlap_steps", "dilocox_error_feedback", "dilocox_offload_outer_state", "dilocox_topk_density",
-    "dilocox_topk_chunk",
+    "use_distributed_optimizer", "bf16", "recompute_granularity",
+    *flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER), *flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
 )
 """What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
 
@@ -163,12 +147,12 @@ def launch_values(launch_argv: list[str]) -> dict:
     from megatron_dilocox.arguments import build_parser as pretrain_parser
 
     ns, unknown = pretrain_parser().parse_known_args(launch_argv)
-    flags = [x for x in unknown if x.startswith("--")]
-    if flags:
-        print(f"tools/plan.py: warning: pretrain_gpt.py does not know {' '.join(flags)}", file=sys.stderr)
+    unknown_flags = [x for x in unknown if x.startswith("--")]
+    if unknown_flags:
+        print(f"tools/plan.py: warning: pretrain_gpt.py does not know {' '.join(unknown_flags)}", file=sys.stderr)
     values = {k: getattr(ns, k) for k in LAUNCH_KEYS if getattr(ns, k, None) is not None}
     if ns.dilocox_clusters is None:
-        values["dilocox_clusters"] = 2 if ns.dilocox else 1
+        values["dilocox_clusters"] = DiLoCoXConfig.clusters if ns.dilocox else 1
     return values
 
 
@@ -197,7 +181,7 @@ def resolve(argv=None) -> argparse.Namespace:
 
 
 def configs(args):
-    from megatron_dilocox.planner import DiLoCoXSettings, Layout, Machine, ModelShape
+    from megatron_dilocox.planner import Layout, Machine, ModelShape
 
     model = ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -212,19 +196,15 @@ def configs(args):
                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                     use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
                     recompute_full=args.recompute_granularity == "full")
-    dl = DiLoCoXSettings(clusters=args.dilocox_clusters, local_steps=args.dilocox_local_steps,
-                         compression=args.dilocox_compression, quant_bits=args.dilocox_quant_bits,
-                         rank=args.dilocox_rank, block=args.dilocox_quant_block, sync_mode=args.dilocox_sync_mode,
-                         overlap_steps=args.dilocox_overlap_steps, topk_density=args.dilocox_topk_density, topk_chunk=args.dilocox_topk_chunk,
-                         error_feedback=args.dilocox_error_feedback,
-                         offload_outer_state=args.dilocox_offload_outer_state)
+    outer = flags.from_args(DiLoCoXConfig, args, "dilocox", PLANNED_OUTER)
+    compression = flags.from_args(CompressionConfig, args, "dilocox", PLANNED_COMPRESSION)
     machine = Machine(gpu_memory_gib=args.gpu_memory_gib, gpu_tflops=args.gpu_tflops,
                       gpus_per_cluster=args.gpus_per_cluster, intra_bandwidth_gbps=args.intra_bandwidth_gbps,
                       tp_bandwidth_gbps=args.tp_bandwidth_gbps, inter_bandwidth_gbps=args.inter_bandwidth_gbps,
                       inter_link=args.inter_link, cpu_cores=args.cpu_cores,
                       cpu_gflops_1thread=args.cpu_gflops[0], cpu_gflops_all_threads=args.cpu_gflops[1],
                       cpu_elementwise_ns=args.cpu_elementwise_ns)
-    return model, layout, dl, machine
+    return model, layout, outer, compression, machine
 
 
 def main(argv=None) -> int:

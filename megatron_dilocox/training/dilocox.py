@@ -36,7 +36,7 @@ class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
     def __init__(self, optimizer, topo: Topology, config: DiLoCoXConfig,
-                 compression: CompressionConfig, seed: int = 0, emulated_delay_s: float = 0.0, audit=None):
+                 compression: CompressionConfig, seed: int = 0, audit=None):
         """``audit``: the run's :class:`~megatron_dilocox.comm_audit.CommAudit` (with clusters),
         whose count of bytes sent across clusters outside boundaries each round's record carries."""
         self.optimizer = optimizer
@@ -60,8 +60,8 @@ class DiLoCoX:
                 seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
                 energy=compression.rank_energy, ef_decay=compression.ef_decay,
                 chunk=compression.topk_chunk, density=compression.topk_density)
-        if emulated_delay_s > 0:
-            reduce = _delayed(reduce, emulated_delay_s)
+        if config.emulated_delay_s > 0:
+            reduce = _delayed(reduce, config.emulated_delay_s)
         unsent = (lambda: self.compressor.residual) if compression.keep_unsent else None
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
                               counter=self.counter, agree=self._agree, unsent=unsent)

@@ -71,10 +71,11 @@ def setup(args):
     backend.use_local_device()
     init_distributed(backend.process_group_backend(args.distributed_backend), args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
-    staged = args.dilocox_offload_outer_state and backend.on_cuda()
+    outer = dilocox_config(args)
+    staged = outer.offload_outer_state and backend.on_cuda()
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          args.virtual_pipeline_model_parallel_size, args.clusters, args.dilocox,
-                          args.dilocox_outer_timeout_s, outer_backend="gloo" if staged else None)
+                          args.virtual_pipeline_model_parallel_size, outer.clusters, args.dilocox,
+                          outer.outer_timeout_s, outer_backend="gloo" if staged else None)
     if args.save:
         lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
@@ -94,9 +95,7 @@ def setup(args):
     if resume is not None:
         resume.load_weights(model)  # before the optimizer copies them into its main params
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    dilocox = (DiLoCoX(optimizer, topo, dilocox_config(args), compression_config(args), args.seed,
-                       args.dilocox_emulated_delay_s, audit)
-               if args.dilocox else None)
+    dilocox = DiLoCoX(optimizer, topo, outer, compression_config(args), args.seed, audit) if args.dilocox else None
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
     save_checkpoint = partial(checkpointing.save, args, topo) if args.save else None
     trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,
