@@ -1,4 +1,5 @@
 """tools/calibrate_planner.py: the fit and the predicted-vs-measured rows, on synthetic metrics."""
+import io
 import json
 import sys
 
@@ -48,5 +49,19 @@ def test_fit_and_rows(tmp_path):
     assert "-16.7%" in rows[1] and f"{int(per_step):,}/step" in rows[1]
 
 
-def test_cpu_busy_is_a_share():
-    assert 0.0 <= cal.cpu_busy(0.2) <= 1.0
+def test_cpu_busy_from_proc_stat(monkeypatch):
+    # /proc/stat before and after the sleep: user nice system idle iowait irq softirq (steal guest
+    # guest_nice 0); the per-core lines must be ignored. Over the interval 800 ticks passed, 400 idle
+    # and 150 iowait, so 250 of them busy.
+    snapshots = iter(["cpu  100 10 50 700 100 20 20 0 0 0\ncpu0 1 1 1 1 1 1 1 0 0 0\n",
+                      "cpu  250 20 120 1100 250 40 20 0 0 0\ncpu0 9 9 9 9 9 9 9 0 0 0\n"])
+    slept = []
+
+    def read(path):
+        assert path == "/proc/stat"
+        return io.StringIO(next(snapshots))
+
+    monkeypatch.setattr(cal, "open", read, raising=False)
+    monkeypatch.setattr(cal.time, "sleep", slept.append)
+    assert cal.cpu_busy(0.5) == pytest.approx(250 / 800)
+    assert slept == [0.5]
