@@ -64,9 +64,9 @@ ranks) / bandwidth.
   per step, i.e. the whole model's fp32 gradient crosses once each way. Not overlapped with
   compute (stated assumption; the cross leg is far slower than the backward pass anyway).
 * DiLoCoX: once per round of H steps each rank exchanges its outer shard's payload, from the
-  codec formula of ``outer/compression/reducer.py`` (40-byte header per exchange, blocks of 256
-  values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D dense; ``topk``:
-  chunked indices, codes and scales of the flat shard, ``outer/compression/topk.py``).
+  formulas of ``megatron_dilocox/payload.py`` (the reducer's: a 40-byte header per exchange,
+  blocks of 256 values with one fp32 scale, low-rank (m + n) r factors where they save bytes, 1-D
+  dense; ``topk``: chunked indices, codes and scales of the flat shard).
   ``none`` is an fp32 ring all-reduce (``2 (C - 1) / C * payload`` on the wire); the codecs
   all-gather (``(C - 1) * payload``). In the overlapped modes the exchange hides behind the
   steps before its average lands (``T`` = ``--dilocox-overlap-steps``, at most H): round time =
@@ -81,12 +81,8 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
-from megatron_dilocox.outer.compression import topk
-from megatron_dilocox.outer.compression.lowrank import saves_bytes
-from megatron_dilocox.outer.compression.quantize import nbytes
-from megatron_dilocox.outer.compression.wire import HEADER_BYTES
-HANDSHAKE_BYTES = 32
-"""Extra bytes of the codec handshake at the first round (and after a resume); not per round."""
+from megatron_dilocox.payload import codec_bytes
+
 GIB = 2**30
 
 
@@ -204,39 +200,6 @@ def param_count(m: ModelShape, tp: int = 1) -> int:
     emb = v * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
     out = v * h if m.untie_embeddings_and_output_weights else 0
     return emb + L * per_layer + ln + out
-
-
-# -- codec bytes (reducer.py's formula) ------------------------------------------------------
-
-def quantized_bytes(n: int, bits: int, block: int = 256) -> int:
-    """S(n): fp32 (bits 32) or blockwise quantized with one fp32 scale per block."""
-    return 4 * n if bits == 32 else nbytes(n, bits, block)
-
-
-def codec_bytes(shapes: list[tuple[int, ...]], codec: str, bits: int = 8, rank: int = 8,
-                block: int = 256, chunk: int = 4096, density: float = 1 / 64) -> int:
-    """Bytes one rank sends per round for a shard of ``shapes`` (no handshake)."""
-    numel = sum(math.prod(s) for s in shapes)
-    if codec == "none":
-        return 4 * numel
-    if codec == "topk":
-        return HEADER_BYTES + topk.nbytes(numel, chunk, density, bits)
-    b = bits if codec in ("quantize", "lowrank-quantize") else 32
-    if codec == "quantize":
-        return HEADER_BYTES + sum(quantized_bytes(math.prod(s), b, block) for s in shapes)
-    if codec not in ("lowrank", "lowrank-quantize"):
-        raise ValueError(f"unknown codec {codec!r}")
-    p = q = dense = 0
-    for s in shapes:
-        mm = s[0] if len(s) >= 2 else 0
-        nn = math.prod(s) // mm if mm else 0
-        if mm and saves_bytes(mm, nn, rank):
-            r = min(rank, mm, nn)
-            p += quantized_bytes(mm * r, b, block)
-            q += quantized_bytes(nn * r, b, block)
-        elif math.prod(s):
-            dense += quantized_bytes(math.prod(s), b, block)
-    return 2 * HEADER_BYTES + p + dense + q
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -395,8 +358,7 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, 
                 out.append(t.shape)
         return out
 
-    payload = [codec_bytes(shard(ts), comp.codec, comp.bits, comp.rank, comp.block, comp.topk_chunk, comp.topk_density)
-               for ts in outer_stages]
+    payload = [codec_bytes(shard(ts), comp) for ts in outer_stages]
     wire = (lambda x: 2 * (c - 1) / c * x) if comp.codec == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)

@@ -106,10 +106,9 @@ def test_a_run_outside_the_environment_names_what_is_missing(tmp_path):
     script = "examples/gpt_107b/pretrain_gpt_107b_dilocox.sh"
     proc = subprocess.run(["bash", script, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHON": python, "PATH": "/usr/bin:/bin"})
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert proc.returncode == 2 and len(errors) == 2, proc.stderr
-    assert errors[0].startswith("tools/plan.py: error: Python module 'torch' is not installed")
-    assert errors[1] == "gpt_107b_dilocox: error: tools/plan.py failed (exit status 2): see its error above"
+    # The planner needs no torch: the dry run still plans, and names what a real launch lacks.
+    assert proc.returncode == 0 and "error:" not in proc.stderr, proc.stderr
+    assert "gpt_107b_dilocox: note: torchrun not found" in proc.stderr and "throughput DiLoCoX" in proc.stdout
 
 
 def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tiny_dataset, tmp_path):

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from megatron_dilocox.arguments import compression_config, parse_args
 from megatron_dilocox.errors import ConfigError
+from megatron_dilocox import payload
+from megatron_dilocox.config import CompressionConfig
 from megatron_dilocox.outer.compression import CompressedReducer, lowrank, topk, wire
 from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
@@ -65,7 +67,7 @@ def test_quantize_round_trip_error_is_bounded_per_block(x, bits, block):
     assert bool((err <= half_step * (1 + 2**-20) + TINY).all()), float((err - half_step).max())
     assert bool((err <= absmax / 2 ** (bits - 1) + TINY).all())  # the coarser stated bound
     assert bool((y.abs() <= absmax.float()).all()), "decoding never exceeds the block's absmax"
-    assert q.nbytes == qz.nbytes(x.numel(), bits, block)
+    assert q.nbytes == quantized_bytes(x.numel(), bits, block) == payload.quantized_bytes(x.numel(), bits, block)
     assert q.codes.dtype == torch.uint8 and q.codes.numel() == math.ceil(x.numel() / block) * block * bits // 8
 
 
@@ -127,7 +129,7 @@ def test_int4_nibble_order():
 def test_segments_quantize_each_part_separately():
     big, small = rand(300, seed=1, scale=1e6), rand(5, seed=2, scale=1e-3)
     codec = SegmentCodec([300, 5], 8, 256)
-    assert codec.nbytes == qz.nbytes(300, 8, 256) + qz.nbytes(5, 8, 256)
+    assert codec.nbytes == quantized_bytes(300, 8, 256) + quantized_bytes(5, 8, 256) == 3 * (256 + 4)  # 2 + 1 blocks
     body = codec.encode([big, small])
     assert body.numel() == codec.nbytes
     out = codec.decode(body)
@@ -147,10 +149,10 @@ def test_segments_quantize_each_part_separately():
 def test_lowrank_exact_for_matrices_of_rank_at_most_r(m, n, k, extra, seed):
     k = min(k, m, n)
     r = min(k + extra, m, n)
-    assume(lowrank.saves_bytes(m, n, r))
+    assume((m + n) * r < m * n)  # the factors are smaller than the matrix: it goes low-rank
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g) @ torch.randn(k, n, generator=g)
-    red = CompressedReducer([(m, n)], "lowrank", rank=r)
+    red = CompressedReducer([(m, n)], CompressionConfig(codec="lowrank", rank=r))
     assert len(red.matrices) == 1
     (out,) = red([a.reshape(-1)], None)
     rel = (out.view(m, n) - a).norm() / a.norm()
@@ -200,10 +202,11 @@ def test_tree_sum_and_random_columns_are_deterministic():
 
 
 def test_layout_sends_only_matrices_that_save_bytes_low_rank():
-    red = CompressedReducer([(64, 32), (32,), (1, 100), (3, 4), (4, 3, 5), (64, 2, 4)], "lowrank", rank=4)
+    red = CompressedReducer([(64, 32), (32,), (1, 100), (3, 4), (4, 3, 5), (64, 2, 4)],
+                            CompressionConfig(codec="lowrank", rank=4))
     assert [(a.index, a.m, a.n, a.max_rank) for a in red.matrices] == [(0, 64, 32, 4), (5, 64, 8, 4)]
     assert [n for _, n in red.dense] == [32, 100, 12, 60]
-    assert CompressedReducer([(64, 32)], "quantize").matrices == []
+    assert CompressedReducer([(64, 32)], CompressionConfig(codec="quantize")).matrices == []
 
 
 # -- adaptive rank -----------------------------------------------------------------------------
@@ -235,7 +238,8 @@ def test_adaptive_reducer_finds_the_rank_of_a_low_rank_pseudo_gradient():
     a = torch.randn(80, 2, generator=g) @ torch.randn(2, 60, generator=g)
     b = (torch.randn(50, 1, generator=g) @ torch.randn(1, 70, generator=g)) * 1e-4
     x = torch.cat([a.reshape(-1), b.reshape(-1), rand(10, seed=8)])
-    red = CompressedReducer([(80, 60), (50, 70), (10,)], "lowrank-quantize", rank=8, adaptive=True)
+    red = CompressedReducer([(80, 60), (50, 70), (10,)],
+                            CompressionConfig(codec="lowrank-quantize", rank=8, adaptive=True))
     ranks = []
     for _ in range(4):
         (out,) = red([x], None)
@@ -246,6 +250,11 @@ def test_adaptive_reducer_finds_the_rank_of_a_low_rank_pseudo_gradient():
 
 
 # -- top-k -------------------------------------------------------------------------------------
+
+
+def quantized_bytes(numel, bits, block):
+    """Blockwise quantized bytes: every block padded to ``block`` codes, plus its fp32 scale."""
+    return math.ceil(numel / block) * (block * bits // 8 + 4)
 
 
 def topk_bytes(numel, chunk, density, bits):
@@ -299,6 +308,7 @@ def test_topk_round_trip_keeps_the_top_k_per_chunk(case):
     x, chunk, density, bits = case
     body = topk.encode(x, chunk, density, bits)
     assert body.dtype == torch.uint8 and body.numel() == topk_bytes(x.numel(), chunk, density, bits)
+    assert payload.topk_bytes(x.numel(), chunk, density, bits) == body.numel()
     y = topk.decode(body, x.numel(), chunk, density, bits)
     assert y.shape == x.shape and y.dtype == torch.float32
     keep = expected_kept(x, chunk, density)
@@ -311,7 +321,8 @@ def test_topk_round_trip_keeps_the_top_k_per_chunk(case):
     # Error feedback keeps exactly what was not sent: every dropped entry whole. (The reducer
     # treats a round whose fp32 norm overflows, entries above ~1e19, as non-finite.)
     assume(math.isfinite(float(torch.linalg.vector_norm(x))))
-    red = CompressedReducer([(x.numel(),)], "topk", bits=bits, chunk=chunk, density=density)
+    red = CompressedReducer([(x.numel(),)], CompressionConfig(codec="topk", bits=bits, topk_chunk=chunk,
+                                                              topk_density=density, ef_decay=1.0))
     (out,) = red([x], None)
     assert torch.equal(out, y) and red.error_feedback
     assert torch.equal(red.residual, x - y) and torch.equal(red.residual[~keep], x[~keep])
@@ -331,8 +342,8 @@ def test_topk_ties_go_to_the_lower_index_and_zero_chunks_decode_to_zero():
 
 def test_topk_bitmap_where_indices_cost_more():
     # chunk 16: 4-bit indices; k = 8 indices (32 bits) cost more than the 16-bit bitmap
-    assert topk.position_bits(16, 0.5) == 16 and topk.position_bits(16, 0.25) == 16
-    assert topk.position_bits(16, 1 / 8) == 8 and topk.position_bits(4096, 1 / 64) == 64 * 12
+    assert payload.position_bits(16, 0.5) == 16 and payload.position_bits(16, 0.25) == 16
+    assert payload.position_bits(16, 1 / 8) == 8 and payload.position_bits(4096, 1 / 64) == 64 * 12
     x = rand(40, seed=30)
     for density in (0.5, 0.1):
         y = topk.decode(topk.encode(x, 16, density, 3), 40, 16, density, 3)
@@ -394,7 +405,7 @@ def header_bytes_formula(red):
     if red.codec == "topk":
         return wire.HEADER_BYTES + topk_bytes(red.numel, red.chunk, red.density, red.bits)
     def s(n):
-        return 4 * n if red.payload_bits == 32 else qz.nbytes(n, red.payload_bits, red.block)
+        return 4 * n if red.payload_bits == 32 else quantized_bytes(n, red.payload_bits, red.block)
     dense = sum(s(n) for _, n in red.dense)
     if not red.matrices:
         return wire.HEADER_BYTES + dense
@@ -406,7 +417,7 @@ def header_bytes_formula(red):
 @pytest.mark.parametrize("codec,bits", [("quantize", 8), ("quantize", 4), ("lowrank", 8),
                                         ("lowrank-quantize", 8), ("lowrank-quantize", 4), ("topk", 2)])
 def test_single_cluster_round_stats_and_bytes(codec, bits):
-    red = CompressedReducer(SHAPES, codec, bits=bits, rank=4, block=64)
+    red = CompressedReducer(SHAPES, CompressionConfig(codec=codec, bits=bits, rank=4, block=64))
     x = rand(NUMEL, seed=9)
     before = x.clone()
     expected = header_bytes_formula(red)
@@ -421,7 +432,7 @@ def test_single_cluster_round_stats_and_bytes(codec, bits):
 
 
 def test_none_codec_is_allreduce_mean():
-    red = CompressedReducer(SHAPES, "none")
+    red = CompressedReducer(SHAPES, CompressionConfig(codec="none"))
     x = rand(NUMEL, seed=10)
     (out,) = red([x], None)
     assert out is x and red.last_stats["ratio"] == 1.0
@@ -429,7 +440,7 @@ def test_none_codec_is_allreduce_mean():
 
 @pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize", "topk"])
 def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
-    red = CompressedReducer(SHAPES, codec, rank=4, error_feedback=True, chunk=256)
+    red = CompressedReducer(SHAPES, CompressionConfig(codec=codec, rank=4, error_feedback=True, topk_chunk=256))
     x = rand(NUMEL, seed=11)
     bad = x.clone()
     bad[5] = float("nan")
@@ -441,21 +452,21 @@ def test_non_finite_round_propagates_and_the_next_round_recovers(codec):
 
 
 def test_rejects_bad_setup():
-    with pytest.raises(ValueError, match="unknown compression codec"):
-        CompressedReducer(SHAPES, "randk")
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        CompressedReducer(SHAPES, "quantize", bits=2)
-    with pytest.raises(ValueError, match="top-k bits must be 2, 3 or 4"):
-        CompressedReducer(SHAPES, "topk", bits=8)
-    with pytest.raises(ValueError, match="density"):
-        CompressedReducer(SHAPES, "topk", density=0.0)
-    with pytest.raises(ValueError, match="chunk"):
-        CompressedReducer(SHAPES, "topk", chunk=1)
-    with pytest.raises(ValueError, match="min_rank"):
-        CompressedReducer(SHAPES, "lowrank", rank=2, min_rank=3)
-    with pytest.raises(ValueError, match="ef_decay"):
-        CompressedReducer(SHAPES, "lowrank", ef_decay=1.5)
-    red = CompressedReducer(SHAPES, "quantize")
+    with pytest.raises(ValueError, match="--dilocox-compression must be one of"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="randk"))
+    with pytest.raises(ValueError, match="--dilocox-quant-bits must be 8, 4 with --dilocox-compression quantize"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="quantize", bits=2))
+    with pytest.raises(ValueError, match="--dilocox-quant-bits must be 2, 3, 4 with --dilocox-compression topk"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="topk", bits=8))
+    with pytest.raises(ValueError, match="--dilocox-topk-density"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="topk", topk_density=0.0))
+    with pytest.raises(ValueError, match="--dilocox-topk-chunk"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="topk", topk_chunk=1))
+    with pytest.raises(ValueError, match="--dilocox-min-rank"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="lowrank", rank=2, min_rank=3))
+    with pytest.raises(ValueError, match="--dilocox-ef-decay"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="lowrank", ef_decay=1.5))
+    red = CompressedReducer(SHAPES, CompressionConfig(codec="quantize"))
     with pytest.raises(ValueError, match=f"flat fp32 buffer of {NUMEL} elements"):
         red([rand(NUMEL + 1)], None)
     with pytest.raises(ValueError, match="one flat buffer"):
@@ -479,13 +490,14 @@ def ef_input():
 @pytest.mark.parametrize("codec,bits,rank", [("quantize", 4, 1), ("lowrank-quantize", 4, 2),
                                              ("lowrank-quantize", 8, 1), ("lowrank", 8, 2)])
 def test_error_feedback_is_unbiased_over_rounds(codec, bits, rank):
-    """The same input every round: with error feedback the running sum of outputs tracks the
+    """The same input every round: with (undecayed) error feedback the running sum of outputs tracks the
     running sum of inputs (the gap is the residual, which stays bounded); without, it drifts."""
     x = ef_input()
     rounds = 40
     gaps = {}
     for ef in (True, False):
-        red = CompressedReducer(SHAPES, codec, bits=bits, rank=rank, block=64, error_feedback=ef)
+        red = CompressedReducer(SHAPES, CompressionConfig(codec=codec, bits=bits, rank=rank, block=64,
+                                                          error_feedback=ef, ef_decay=1.0))
         total = torch.zeros(NUMEL, dtype=torch.float64)
         gap = []
         for t in range(1, rounds + 1):
@@ -505,7 +517,7 @@ def test_ef_decay_damps_the_residual():
     x = rand(NUMEL, seed=13)
     norms = {}
     for decay in (1.0, 0.5, 0.0):
-        red = CompressedReducer(SHAPES, "lowrank", rank=1, error_feedback=True, ef_decay=decay)
+        red = CompressedReducer(SHAPES, CompressionConfig(codec="lowrank", rank=1, error_feedback=True, ef_decay=decay))
         for _ in range(5):
             red([x], None)
         norms[decay] = float(red.residual.norm())
@@ -518,8 +530,8 @@ def test_ef_decay_damps_the_residual():
 @pytest.mark.parametrize("codec", ["lowrank-quantize", "quantize", "topk"])
 def test_state_dict_resume_matches_uninterrupted(codec):
     def make(**changed):
-        return CompressedReducer(SHAPES, codec, **{**dict(bits=4, rank=4, error_feedback=True, adaptive=True,
-                                                          seed=3, chunk=512), **changed})
+        settings = {**dict(bits=4, rank=4, error_feedback=True, adaptive=True, topk_chunk=512), **changed}
+        return CompressedReducer(SHAPES, CompressionConfig(codec, **settings), seed=3)
 
     inputs = [rand(NUMEL, seed=20 + t) for t in range(5)]
     full = make()
@@ -535,7 +547,7 @@ def test_state_dict_resume_matches_uninterrupted(codec):
     for x, want in zip(inputs[3:], outs[3:]):
         assert torch.equal(resumed([x], None)[0], want)
     assert torch.equal(resumed.residual, full.residual)
-    for changed in [dict(bits=2 if codec == "topk" else 8)] + [dict(density=0.1)] * (codec == "topk"):
+    for changed in [dict(bits=2 if codec == "topk" else 8)] + [dict(topk_density=0.1)] * (codec == "topk"):
         with pytest.raises(ValueError, match="different settings"):
             make(**changed).load_state_dict(state)
 

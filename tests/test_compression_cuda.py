@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_dilocox.config import CompressionConfig
 from megatron_dilocox.outer.compression import CompressedReducer, comm, lowrank
 from megatron_dilocox.outer.compression import quantize as qz
 
@@ -50,7 +51,7 @@ def run_ranks(group, kwargs, rounds=3):
     def rank(k):
         try:
             group.local.rank = k
-            red = CompressedReducer(SHAPES, **kwargs)
+            red = CompressedReducer(SHAPES, CompressionConfig(**kwargs))
             for rnd in range(rounds):
                 g = torch.Generator().manual_seed(100 * k + rnd)
                 x = torch.randn(NUMEL, generator=g).to(DEVICES[k])
@@ -74,9 +75,9 @@ def run_ranks(group, kwargs, rounds=3):
     dict(codec="quantize", bits=8),
     dict(codec="quantize", bits=4, error_feedback=True),
     dict(codec="lowrank", rank=8),
-    dict(codec="lowrank-quantize", bits=4, rank=16, adaptive=True, energy=0.5, error_feedback=True),
+    dict(codec="lowrank-quantize", bits=4, rank=16, adaptive=True, rank_energy=0.5, error_feedback=True),
     dict(codec="topk", bits=2),
-    dict(codec="topk", bits=3, chunk=48, density=0.3),  # bitmap positions
+    dict(codec="topk", bits=3, topk_chunk=48, topk_density=0.3),  # bitmap positions
 ])
 def test_cpu_and_cuda_ranks_agree_bit_for_bit(thread_group, kwargs):
     cpu, cuda = run_ranks(thread_group, kwargs)

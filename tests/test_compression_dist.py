@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.outer.compression import CompressedReducer, topk, wire
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync
 from test_compression import header_bytes_formula
@@ -29,8 +29,8 @@ CASES = {
     "lowrank": dict(codec="lowrank", rank=4),
     "lowrank-quantize8-adaptive": dict(codec="lowrank-quantize", bits=8, rank=4, adaptive=True),
     "lowrank-quantize4-ef": dict(codec="lowrank-quantize", bits=4, rank=4, error_feedback=True),
-    "topk2": dict(codec="topk", bits=2, chunk=256, density=0.05),  # error feedback on by default
-    "topk4-bitmap": dict(codec="topk", bits=4, chunk=64, density=0.25, error_feedback=False),
+    "topk2": dict(codec="topk", bits=2, topk_chunk=256, topk_density=0.05),  # error feedback on by default
+    "topk4-bitmap": dict(codec="topk", bits=4, topk_chunk=64, topk_density=0.25, error_feedback=False),
 }
 MATRIX_SPANS = [(0, 48, 40), (1920 + 40 + 60 + 90, 64, 24)]  # (offset, m, n) of the 2-D tensors
 
@@ -80,7 +80,7 @@ def scenario_codecs(rank, group, tap):
     out = {}
     for name, kwargs in CASES.items():
         counter = ByteCounter()
-        red = CompressedReducer(SHAPES, counter=counter, **kwargs)
+        red = CompressedReducer(SHAPES, CompressionConfig(**kwargs), counter=counter)
         rounds = []
         for rnd in range(1, ROUNDS + 1):
             expected = 4 * NUMEL if red.codec == "none" else header_bytes_formula(red) + 32 * (rnd == 1)
@@ -93,7 +93,7 @@ def scenario_codecs(rank, group, tap):
 
 
 def scenario_tamper(rank, group, tap, codec="lowrank-quantize"):
-    red = CompressedReducer(SHAPES, codec, bits=4, rank=4)
+    red = CompressedReducer(SHAPES, CompressionConfig(codec=codec, bits=4, rank=4))
     red([cluster_input(rank, 1)], group)
     tap.corrupt_next_gather = True  # round 2, first exchange (P)
     try:
@@ -105,7 +105,8 @@ def scenario_tamper(rank, group, tap, codec="lowrank-quantize"):
 
 def scenario_mismatch(rank, group, tap, codec="quantize", **per_rank):
     """Clusters that differ in one setting: ``per_rank`` maps it to (cluster 0's, cluster 1's)."""
-    red = CompressedReducer(SHAPES, codec, **{k: v[rank] for k, v in (per_rank or dict(bits=(8, 4))).items()})
+    settings = {k: v[rank] for k, v in (per_rank or dict(bits=(8, 4))).items()}
+    red = CompressedReducer(SHAPES, CompressionConfig(codec, **settings))
     try:
         red([cluster_input(rank, 1)], group)
     except ValueError as e:
@@ -121,8 +122,8 @@ def scenario_outer_sync(rank, group, tap):
         for p, v in zip(params, torch.randn(NUMEL, generator=torch.Generator().manual_seed(5)).split(
                 [math.prod(s) for s in SHAPES])):
             p.copy_(v.view_as(p))
-    red = CompressedReducer(SHAPES, "lowrank-quantize", bits=4, rank=4, adaptive=True,
-                            error_feedback=True, counter=counter)
+    red = CompressedReducer(SHAPES, CompressionConfig(codec="lowrank-quantize", bits=4, rank=4, adaptive=True,
+                                                      error_feedback=True), counter=counter)
     sync = OuterSync(params, group, DiLoCoXConfig(clusters=2, local_steps=2, sync_mode="delay"),
                      reducer=red, counter=counter)
     bases, stats = [], []
@@ -144,7 +145,7 @@ def _scenarios(rank, group):
         ("codecs", scenario_codecs), ("tamper", scenario_tamper),
         ("tamper_topk", lambda *a: scenario_tamper(*a, codec="topk")),
         ("mismatch", scenario_mismatch), ("outer_sync", scenario_outer_sync),
-        ("mismatch_topk", lambda *a: scenario_mismatch(*a, codec="topk", density=(0.05, 0.1))))}
+        ("mismatch_topk", lambda *a: scenario_mismatch(*a, codec="topk", topk_density=(0.05, 0.1))))}
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +207,8 @@ def test_topk_is_the_mean_of_both_decoded_payloads(ranks, case):
     order, halved; the clusters' top entries differ, so the mean has up to twice as many."""
     kw = CASES[case]
     out = ranks[0]["codecs"][case][0]["out"]
-    decoded = [topk.decode(topk.encode(cluster_input(k, 1), kw["chunk"], kw["density"], kw["bits"]),
-                           NUMEL, kw["chunk"], kw["density"], kw["bits"]) for k in range(2)]
+    decoded = [topk.decode(topk.encode(cluster_input(k, 1), kw["topk_chunk"], kw["topk_density"], kw["bits"]),
+                           NUMEL, kw["topk_chunk"], kw["topk_density"], kw["bits"]) for k in range(2)]
     assert torch.equal(out, (decoded[0] + decoded[1]) / 2)
     assert ranks[0]["codecs"][case][0]["stats"]["ratio"] > 2
 

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_dilocox import planner as pl
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.payload import codec_bytes
 
 # The quickstart model (examples/quickstart_gpt.sh): 4 layers, hidden 256, 4 heads, ffn 4h,
 # seq 128 with learned positions, vocab 4096 (already a multiple of 128), tied output.
@@ -46,7 +47,7 @@ def test_codec_bytes_match_measured_quickstart_last_stage():
     when that stage still sent its copy of the tied embedding (the codec formula on those shapes)."""
     shapes = [t.shape for t in pl.stage_tensors(pl.ModelShape(**QS), tp=1, pp=2, stage=1)]
     assert sum(math.prod(s) for s in shapes) == 2_628_608
-    assert pl.codec_bytes(shapes, "none") == 10_514_432
+    assert codec_bytes(shapes, CompressionConfig(codec="none")) == 10_514_432
     # Steady-state rounds in runs/compression/*.jsonl send exactly these bytes; the docs table
     # reports ceil((10 rounds + 32 handshake bytes) / 10): 55,524 and 109,284.
     per_round = {(4, "lowrank-quantize"): 55_520, (8, "lowrank-quantize"): 109_280,
@@ -54,9 +55,9 @@ def test_codec_bytes_match_measured_quickstart_last_stage():
     docs = {(4, "lowrank-quantize"): 55_524, (8, "lowrank-quantize"): 109_284,
             (32, "lowrank"): 430_164, (8, "quantize"): 2_669_724, (4, "quantize"): 1_355_420}
     for (bits, codec), expected in per_round.items():
-        got = pl.codec_bytes(shapes, codec, bits=bits, rank=8)
+        got = codec_bytes(shapes, CompressionConfig(codec=codec, bits=None if bits == 32 else bits, rank=8))
         assert got == expected, (codec, bits)
-        assert math.ceil((10 * got + pl.HANDSHAKE_BYTES) / 10) == docs[bits, codec]
+        assert math.ceil((10 * got + 32) / 10) == docs[bits, codec]
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -67,9 +68,9 @@ def test_topk_codec_bytes_are_the_reducers(bits):
     from megatron_dilocox.outer.compression import CompressedReducer
 
     shapes = [t.shape for t in pl.outer_tensors(pl.ModelShape(**QS), 1, 2, 1)]
-    red = CompressedReducer(shapes, "topk", bits=bits)
+    red = CompressedReducer(shapes, CompressionConfig(codec="topk", bits=bits))
     red([torch.ones(red.numel)], None)
-    assert pl.codec_bytes(shapes, "topk", bits=bits) == red.last_stats["payload_bytes"]
+    assert codec_bytes(shapes, CompressionConfig(codec="topk", bits=bits)) == red.last_stats["payload_bytes"]
 
 
 def test_tied_copy_stays_out_of_the_outer_loop():
@@ -85,7 +86,8 @@ def test_tied_copy_stays_out_of_the_outer_loop():
     d = (DiLoCoXConfig(clusters=2, local_steps=10), CompressionConfig(codec="quantize", bits=4))
     p = pl.plan(m, lay, *d, mach)
     assert p.dilocox["payload_per_stage"] == [
-        pl.codec_bytes([t.shape for t in pl.outer_tensors(m, 1, 2, k)], "quantize", bits=4) for k in range(2)]
+        codec_bytes([t.shape for t in pl.outer_tensors(m, 1, 2, k)], CompressionConfig(codec="quantize", bits=4))
+        for k in range(2)]
     assert p.outer_shard_params == sum(t.numel for t in pl.stage_tensors(m, 1, 2, 0))  # the largest outer shard
 
 
@@ -211,7 +213,8 @@ def test_step_and_ratio_arithmetic():
     m = pl.ModelShape(**QS)
     lay = pl.Layout(tp=1, pp=1, micro_batch_size=1, global_batch_size=4)
     mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=8.0)
-    d = (DiLoCoXConfig(clusters=2, local_steps=10, overlap_steps=10), CompressionConfig(codec="none"))  # lands at the boundary
+    # lands at the boundary
+    d = (DiLoCoXConfig(clusters=2, local_steps=10, overlap_steps=10), CompressionConfig(codec="none"))
     p = pl.plan(m, lay, *d, mach)
     n = p.params_per_rank
     assert math.isclose(p.step["compute"], pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
@@ -261,3 +264,21 @@ def test_cli_plans_a_launch_with_its_own_flags(capsys):
     # --check-fits: status 3 and a one-line error when the memory does not fit
     assert cli.main(["--gpu-memory-gib", "0.01", "--check-fits", "--gpus-per-cluster", "2", "--", *launch]) == 3
     assert "does not fit --gpu-memory-gib 0.01" in capsys.readouterr().err
+
+
+def test_planner_imports_and_plans_without_torch():
+    """planner.py and payload.py are pure arithmetic: they import and plan where torch is absent."""
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    code = ("import sys, tools.plan as cli; from megatron_dilocox import planner as pl; "
+            "p = pl.plan(*cli.configs(cli.resolve(['--preset', 'paper-107b']))); "
+            "assert 'torch' not in sys.modules and p.fits; print(p.dilocox['payload_per_rank'])")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) > 0
+    blocked = subprocess.run([sys.executable, "-S", "-c", "import torch"], capture_output=True, timeout=60)
+    assert blocked.returncode != 0  # -S really leaves torch out

@@ -280,7 +280,7 @@ def fit_elementwise(data: str, out: str, figures: dict) -> float:
 
 
 def table(models, layouts, data: str, out: str, figures: dict, elementwise_ns: float) -> str:
-    from megatron_dilocox.planner import HANDSHAKE_BYTES
+    from megatron_dilocox.payload import HANDSHAKE_BYTES
 
     rows = ["| model | layout | processes | predicted step | measured step: fastest window (median; slowest) | "
             "error vs fastest (vs median) | predicted bytes | measured bytes | load before/after |",

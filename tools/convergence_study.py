@@ -28,7 +28,6 @@ mean over seeds) into ``--out``; per-run metrics and logs stay in ``--out/runs/`
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics

@@ -20,9 +20,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dilocox.errors import missing_dependency  # noqa: E402
 from megatron_dilocox import flags  # noqa: E402
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig  # noqa: E402
+from megatron_dilocox.planner import Layout, Machine, ModelShape, plan, report  # noqa: E402
 
 PLANNED_OUTER = ("clusters", "local_steps", "sync_mode", "overlap_steps", "offload_outer_state")
 PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback")
@@ -133,7 +133,8 @@ LAUNCH_KEYS = (
     "make_vocab_size_divisible_by", "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "use_distributed_optimizer", "bf16", "recompute_granularity",
-    *flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER), *flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
+    *flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER),
+    *flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
 )
 """What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
 
@@ -181,8 +182,6 @@ def resolve(argv=None) -> argparse.Namespace:
 
 
 def configs(args):
-    from megatron_dilocox.planner import Layout, Machine, ModelShape
-
     model = ModelShape(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         vocab_size=args.vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
@@ -209,11 +208,6 @@ def configs(args):
 
 def main(argv=None) -> int:
     args = resolve(argv)
-    try:  # after parsing: --help and flag errors need no torch
-        from megatron_dilocox.planner import plan, report
-    except ModuleNotFoundError as err:
-        print(f"tools/plan.py: error: {missing_dependency(err)}", file=sys.stderr)
-        return 2
     try:
         cfg = configs(args)
         p = plan(*cfg)

@@ -54,12 +54,8 @@ class DiLoCoX:
         self.compressor = None
         reduce = partial(allreduce_mean, counter=self.counter)
         if compression.codec != "none":
-            self.compressor = reduce = CompressedReducer(
-                [p.shape for p in self.outer_params], compression.codec, bits=compression.bits, rank=compression.rank,
-                block=compression.block, error_feedback=compression.error_feedback, counter=self.counter,
-                seed=seed, adaptive=compression.adaptive, min_rank=compression.min_rank,
-                energy=compression.rank_energy, ef_decay=compression.ef_decay,
-                chunk=compression.topk_chunk, density=compression.topk_density)
+            self.compressor = reduce = CompressedReducer([p.shape for p in self.outer_params], compression,
+                                                         counter=self.counter, seed=seed)
         if config.emulated_delay_s > 0:
             reduce = _delayed(reduce, config.emulated_delay_s)
         unsent = (lambda: self.compressor.residual) if compression.keep_unsent else None

@@ -27,11 +27,6 @@ import hashlib
 import torch
 
 
-def saves_bytes(m: int, n: int, rank: int) -> bool:
-    """Whether rank-``rank`` factors of an m x n matrix are smaller than the matrix."""
-    return (m + n) * min(rank, m, n) < m * n
-
-
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over ``dim`` by pairwise halving: a fixed order of exactly rounded adds."""
     x = x.movedim(dim, 0)

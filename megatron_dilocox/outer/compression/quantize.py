@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-BITS = (4, 8)
+from megatron_dilocox.config import QUANT_BITS
+
+BITS = QUANT_BITS["quantize"]
 
 
 def qmax(bits: int) -> int:
@@ -47,12 +49,6 @@ def check_args(bits: int, block: int) -> None:
         raise ValueError(f"quantization bits must be 4 or 8, got {bits}")
     if block < 2 or block % 2:
         raise ValueError(f"quantization block must be a positive even number, got {block}")
-
-
-def nbytes(numel: int, bits: int, block: int) -> int:
-    """Encoded size of ``numel`` elements: codes of the padded blocks plus one fp32 scale each."""
-    blocks = math.ceil(numel / block)
-    return blocks * (block * bits // 8 + 4)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ Plugs into :class:`~megatron_dilocox.outer.sync.OuterSync` as its ``reducer``: c
 every rank; returns ``[g]``, the decompressed mean, bit-identical on every rank::
 
     counter = ByteCounter()
-    reducer = CompressedReducer([p.shape for p in params], "lowrank-quantize", bits=4, rank=8,
-                                counter=counter)
+    reducer = CompressedReducer([p.shape for p in params],
+                                CompressionConfig(codec="lowrank-quantize", bits=4, rank=8), counter=counter)
     sync = OuterSync(params, group, config, reducer=reducer, counter=counter)
     ...
     sync.step(iteration); reducer.last_stats  # ratio, rel_error, ranks, timings of the last round
@@ -23,18 +23,9 @@ is the adaptive rank, which is decided from the shared reduced factors. A one-ti
 again after :meth:`load_state_dict`) compares a digest of the settings, round and ranks of every
 cluster, so a misconfigured peer fails with a clear error instead of a mismatched collective.
 
-**Bytes per round**, counted on ``counter`` as this rank's payload (see ``comm.py``), with
-``H = 40`` header bytes, ``S(n) = 4 n`` for fp32 parts and ``S(n) = ceil(n / block) *
-(block * bits / 8 + 4)`` for quantized ones, ``d`` the dense tensors and ``(m_i, n_i, r_i)`` the
-low-rank matrices:
-
-* ``none``: ``4 * numel`` (one all-reduce, no header).
-* ``quantize``: ``H + sum_all S(numel)`` (one exchange).
-* ``lowrank`` / ``lowrank-quantize``: ``H + sum_i S(m_i r_i) + sum_d S(numel_d)`` (P and the
-  dense tensors), then ``H + sum_i S(n_i r_i)`` (Q): two dependent exchanges.
-* ``topk``: ``H + T(numel)`` (one exchange), ``T`` = :func:`.topk.nbytes` (chunked indices,
-  codes and scales; formula in ``topk.py``).
-* plus 32 bytes for the handshake at the first round and after a resume.
+**Bytes per round**, counted on ``counter`` as this rank's payload (see ``comm.py``): the
+formulas of :mod:`megatron_dilocox.payload` (one exchange per round; two, P then Q, for the
+low-rank codecs; the handshake at the first round and after a resume).
 """
 from __future__ import annotations
 
@@ -48,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.config import QUANT_BITS, default_bits, default_error_feedback
+from megatron_dilocox.config import QUANT_BITS, CompressionConfig
 from megatron_dilocox.outer.compression import comm, lowrank, topk, wire
-from megatron_dilocox.outer.compression import quantize as qz
 from megatron_dilocox.outer.compression.segments import SegmentCodec
+from megatron_dilocox.payload import HANDSHAKE_BYTES, lowrank_shape
 
 if TYPE_CHECKING:
     from megatron_dilocox.outer.sync import ByteCounter
@@ -78,77 +69,37 @@ class CompressedReducer:
         shapes: shapes of the tensors the flat buffer concatenates, in order. Tensors of 2 or
             more dims are (shape[0], rest) matrices; they go low-rank if the factors are smaller
             than the matrix, the rest go dense.
-        codec: ``none`` (fp32 all-reduce), ``quantize`` (every tensor blockwise int8/int4),
-            ``lowrank`` (PowerSGD fp32 factors, dense tensors fp32), ``lowrank-quantize``
-            (factors and dense tensors quantized), ``topk`` (the flat buffer's largest entries
-            per chunk, low-bit, see ``topk.py``).
-        bits: 8 or 4 for the quantizing codecs, 2, 3 or 4 for ``topk``; None: the codec's
-            default (:func:`~megatron_dilocox.config.default_bits`).
-        rank: PowerSGD rank (the maximum when ``adaptive``); capped at min(m, n) per matrix.
-        block: elements per quantization scale (even).
-        error_feedback: keep the compression error locally and add it to the next round;
-            None: the codec's default (on for ``topk`` only).
+        config: the codec and its settings (``none``: fp32 all-reduce; ``quantize``: every
+            tensor blockwise int8/int4; ``lowrank``: PowerSGD fp32 factors, dense tensors fp32;
+            ``lowrank-quantize``: factors and dense tensors quantized; ``topk``: the flat
+            buffer's largest entries per chunk, low-bit, see ``topk.py``). The PowerSGD rank is
+            capped at min(m, n) per matrix; the adaptive rank is chosen every round from the
+            shared spectrum (:func:`~megatron_dilocox.outer.compression.lowrank.choose_rank`).
+            ``keep_unsent`` is the caller's business (it reads :attr:`residual`).
         counter: ByteCounter to count sent bytes on (share OuterSync's); None counts nothing.
         seed: seed of the random warm-start factors (must match across clusters).
-        adaptive: choose each matrix's rank every round from the shared spectrum
-            (:func:`~megatron_dilocox.outer.compression.lowrank.choose_rank`).
-        min_rank: lower bound of the adaptive rank.
-        energy: fraction of the spectrum's energy the adaptive rank keeps, in (0, 1].
-        ef_decay: factor in [0, 1] on the residual kept for the next round (1: plain error
-            feedback; below 1 damps stale residuals, at the price of some bias).
-        chunk: ``topk``: elements per chunk.
-        density: ``topk``: fraction of each chunk sent.
     """
 
-    def __init__(
-        self,
-        shapes: Sequence[Sequence[int]],
-        codec: str = "lowrank-quantize",
-        bits: int | None = None,
-        rank: int = 8,
-        block: int = 256,
-        error_feedback: bool | None = None,
-        counter: ByteCounter | None = None,
-        seed: int = 0,
-        adaptive: bool = False,
-        min_rank: int = 1,
-        energy: float = 0.9,
-        ef_decay: float = 1.0,
-        chunk: int = 4096,
-        density: float = 1 / 64,
-    ):
-        if codec not in CODECS:
-            raise ValueError(f"unknown compression codec {codec!r}; choose one of {', '.join(CODECS)}")
-        bits = default_bits(codec) if bits is None else bits
-        if error_feedback is None:
-            error_feedback = default_error_feedback(codec)
-        if codec == "topk":
-            topk.check_args(chunk, density, bits)
-        elif codec in QUANT_BITS:
-            qz.check_args(bits, block)
-        if not 1 <= min_rank <= rank:
-            raise ValueError(f"need 1 <= min_rank <= rank, got min_rank {min_rank}, rank {rank}")
-        if not 0 < energy <= 1:
-            raise ValueError(f"energy must be in (0, 1], got {energy}")
-        if not 0 <= ef_decay <= 1:
-            raise ValueError(f"ef_decay must be in [0, 1], got {ef_decay}")
+    def __init__(self, shapes: Sequence[Sequence[int]], config: CompressionConfig,
+                 counter: ByteCounter | None = None, seed: int = 0):
+        config.validate()
+        codec = config.codec
         self.shapes = [torch.Size(s) for s in shapes]
-        self.codec, self.bits, self.rank, self.block = codec, bits, rank, block
-        self.error_feedback, self.ef_decay = error_feedback and codec != "none", ef_decay
+        self.codec, self.bits, self.rank, self.block = codec, config.bits, config.rank, config.block
+        self.error_feedback, self.ef_decay = config.error_feedback and codec != "none", config.ef_decay
         self.counter, self.seed = counter, seed
-        self.adaptive, self.min_rank, self.energy = adaptive, min_rank, energy
-        self.chunk, self.density = chunk, density
-        self.payload_bits = bits if codec in QUANT_BITS else 32
+        self.adaptive, self.min_rank, self.energy = config.adaptive, config.min_rank, config.rank_energy
+        self.chunk, self.density = config.topk_chunk, config.topk_density
+        self.payload_bits = config.bits if codec in QUANT_BITS else 32
         self.numel = sum(s.numel() for s in self.shapes)
 
         self.matrices: list[_Matrix] = []
         self.dense: list[tuple[int, int]] = []  # (offset, numel) of the dense tensors
         offset = 0
         for i, s in enumerate(self.shapes):
-            m = s[0] if len(s) >= 2 else 0
-            n = s.numel() // m if m else 0
-            if codec.startswith("lowrank") and m and lowrank.saves_bytes(m, n, rank):
-                self.matrices.append(_Matrix(i, offset, m, n, min(rank, m, n)))
+            low = lowrank_shape(s, self.rank) if codec.startswith("lowrank") else None
+            if low:
+                self.matrices.append(_Matrix(i, offset, *low))
             elif s.numel():
                 self.dense.append((offset, s.numel()))
             offset += s.numel()
@@ -375,9 +326,9 @@ class CompressedReducer:
         return t.div_(torch.tensor(float(self._clusters), dtype=t.dtype, device=t.device))
 
     def _handshake(self) -> None:
-        """Checks that every cluster runs the same settings, round and ranks (32 bytes each)."""
+        """Checks that every cluster runs the same settings, round and ranks (HANDSHAKE_BYTES each)."""
         digest = hashlib.blake2b(repr((self._setup(), self.round, self.ranks)).encode(),
-                                 digest_size=32).digest()
+                                 digest_size=HANDSHAKE_BYTES).digest()
         if self._group is not None:
             rows = comm.all_gather_bytes(torch.frombuffer(bytearray(digest), dtype=torch.uint8),
                                          self._group, self.counter)

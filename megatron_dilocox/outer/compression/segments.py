@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from megatron_dilocox.outer.compression import quantize as qz
+from megatron_dilocox.payload import quantized_bytes
 
 
 class SegmentCodec:
@@ -32,14 +33,12 @@ class SegmentCodec:
         self.numel = sum(self.numels)
         self.layout = (self.numels, bits, block, "fp32")
         """What the payload header's layout digest covers."""
-        if bits == 32:
-            self.nbytes = 4 * self.numel
-        else:
+        self.nbytes = sum(quantized_bytes(n, bits, block) for n in self.numels)
+        if bits != 32:
             # Each part starts on a block boundary of the padded stream.
             self.padded = [math.ceil(n / block) * block for n in self.numels]
             self.blocks = sum(self.padded) // block
             self.code_bytes = self.blocks * block * bits // 8
-            self.nbytes = self.code_bytes + 4 * self.blocks
 
     def encode(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Body bytes (uint8, on the parts' device) of fp32 ``parts`` with this layout."""

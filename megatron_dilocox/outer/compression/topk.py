@@ -14,7 +14,7 @@ error feedback the caller keeps it whole in its residual).
 * codes, ``ceil(r * k(L) * bits / 8)`` bytes, in the order of the positions;
 * scales, ``4 r`` bytes: each chunk's absmax, fp32.
 
-All bit fields are packed least significant bit first. So :func:`nbytes` is
+All bit fields are packed least significant bit first. So :func:`~megatron_dilocox.payload.topk_bytes` is
 ``sum over sections of ceil(r P(L) / 8) + ceil(r k(L) bits / 8) + 4 r``, fixed by the layout:
 every rank knows every payload's size in advance. Variable-length (delta) codes of the
 positions would be smaller on average but not of a fixed size.
@@ -45,6 +45,7 @@ import math
 import torch
 
 from megatron_dilocox.config import QUANT_BITS
+from megatron_dilocox.payload import index_width, kept, topk_bytes, topk_section_bytes, topk_sections
 
 BITS = QUANT_BITS["topk"]
 
@@ -59,40 +60,9 @@ def check_args(chunk: int, density: float, bits: int) -> None:
         raise ValueError(f"top-k bits must be 2, 3 or 4, got {bits}")
 
 
-def kept(length: int, density: float) -> int:
-    """k(L): entries a chunk of ``length`` elements keeps."""
-    return max(1, round(density * length))
-
-
-def _width(length: int) -> int:
-    """ceil(log2 L): bits of an index within a chunk of ``length`` elements."""
-    return (length - 1).bit_length()
-
-
 def _bitmap(length: int, density: float) -> bool:
     """Whether a chunk's positions are a bitmap (smaller than its indices) rather than indices."""
-    return length < kept(length, density) * _width(length)
-
-
-def position_bits(length: int, density: float) -> int:
-    """P(L): bits of one chunk's positions, as indices or as a bitmap, whichever is smaller."""
-    return min(kept(length, density) * _width(length), length)
-
-
-def _sections(numel: int, chunk: int) -> list[tuple[int, int]]:
-    """(chunks, length) of the full chunks and of the short last one, where there are any."""
-    full, tail = divmod(numel, chunk)
-    return [(r, n) for r, n in ((full, chunk), (1 if tail else 0, tail)) if r]
-
-
-def _section_bytes(rows: int, length: int, density: float, bits: int) -> tuple[int, int, int]:
-    k = kept(length, density)
-    return math.ceil(rows * position_bits(length, density) / 8), math.ceil(rows * k * bits / 8), 4 * rows
-
-
-def nbytes(numel: int, chunk: int, density: float, bits: int) -> int:
-    """Body bytes of ``numel`` elements (the formula in the module docstring)."""
-    return sum(sum(_section_bytes(r, n, density, bits)) for r, n in _sections(numel, chunk))
+    return length < kept(length, density) * index_width(length)
 
 
 def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -146,7 +116,7 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
     if _bitmap(length, density):
         positions = _pack(keep.view(-1).long(), 1)
     else:
-        positions = _pack(cols, _width(length))
+        positions = _pack(cols, index_width(length))
     return [positions, _pack(codes, bits), scale.view(torch.uint8)]
 
 
@@ -154,7 +124,7 @@ def encode(x: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tens
     """The body (uint8, on ``x``'s device) of a 1-D fp32 tensor; see the module docstring."""
     check_args(chunk, density, bits)
     parts, offset = [], 0
-    for r, n in _sections(x.numel(), chunk):
+    for r, n in topk_sections(x.numel(), chunk):
         parts += _encode_section(x[offset: offset + r * n].view(r, n), density, bits)
         offset += r * n
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=x.device)
@@ -162,18 +132,18 @@ def encode(x: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tens
 
 def decode(body: torch.Tensor, numel: int, chunk: int, density: float, bits: int) -> torch.Tensor:
     """Inverse of :func:`encode`: the flat fp32 tensor of ``numel`` elements, on ``body``'s device."""
-    assert body.numel() == nbytes(numel, chunk, density, bits), "body size does not match the layout"
+    assert body.numel() == topk_bytes(numel, chunk, density, bits), "body size does not match the layout"
     out = torch.zeros(numel, dtype=torch.float32, device=body.device)
     start = offset = 0
-    for r, n in _sections(numel, chunk):
+    for r, n in topk_sections(numel, chunk):
         k = kept(n, density)
-        sizes = _section_bytes(r, n, density, bits)
+        sizes = topk_section_bytes(r, n, density, bits)
         positions, codes, scales = body[start: start + sum(sizes)].split(sizes)
         start += sum(sizes)
         if _bitmap(n, density):
             cols = _unpack(positions, r * n, 1).view(r, n).nonzero()[:, 1].view(r, k)
         else:
-            cols = _unpack(positions, r * k, _width(n)).view(r, k)
+            cols = _unpack(positions, r * k, index_width(n)).view(r, k)
         values = _grid_values(_unpack(codes, r * k, bits).view(r, k), scales, bits)
         out[offset: offset + r * n].view(r, n).scatter_(1, cols, values)
         offset += r * n
@@ -195,7 +165,7 @@ class TopKCodec:
         self.numels = [int(n) for n in numels]
         self.numel = sum(self.numels)
         self.bits, self.chunk, self.density = bits, chunk, density
-        self.nbytes = nbytes(self.numel, chunk, density, bits)
+        self.nbytes = topk_bytes(self.numel, chunk, density, bits)
         self.layout = ("topk", self.numel, chunk, density, bits)
         """What the payload header's layout digest covers."""
 

@@ -21,7 +21,6 @@ a malicious peer.
 from __future__ import annotations
 
 import hashlib
-import struct
 import sys
 import zlib
 from dataclasses import dataclass
@@ -29,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dilocox.config import CODECS  # their order gives the wire numbers: append, never reorder
+from megatron_dilocox.payload import CRC as _CRC
+from megatron_dilocox.payload import HEADER_BYTES
+from megatron_dilocox.payload import HEADER_FIELDS as _FIELDS
 STAGES = ("dense", "P", "Q")
 MAGIC, VERSION = b"DLCX", 1
-_FIELDS = struct.Struct("<4sBBBBQIQQ")
-_CRC = struct.Struct("<I")
-HEADER_BYTES = _FIELDS.size + _CRC.size
 
 if sys.byteorder != "little":  # bodies are native tensor bytes
     raise ImportError("megatron_dilocox.outer.compression supports little-endian machines only")
