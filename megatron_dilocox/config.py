@@ -232,6 +232,14 @@ class CompressionConfig:
 
     A round then restarts from ``base - residual``; needs error feedback (docs/dilocox.md)."""
 
+    flush_residual: bool = False
+    """At the end of training, send what error feedback still holds, dense fp32, as one last
+    outer step, so that the final model has every replica's progress (that one round costs the
+    bytes of an uncompressed one).
+
+    Needs error feedback. Without it the final global weights lack the residual: several rounds'
+    worth of the replicas' smaller entries, sent late or (decayed) never."""
+
     def __post_init__(self):
         if self.bits is None:
             self.bits = default_bits(self.codec)
@@ -258,5 +266,6 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-topk-density must be in (0, 1], got {self.topk_density}")
         if self.topk_chunk < 2:
             raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")
-        if self.keep_unsent and not (self.error_feedback and self.codec != "none"):
-            raise ValueError("--dilocox-keep-unsent needs a compression codec with --dilocox-error-feedback")
+        for flag, given in (("--dilocox-keep-unsent", self.keep_unsent), ("--dilocox-flush-residual", self.flush_residual)):
+            if given and not (self.error_feedback and self.codec != "none"):
+                raise ValueError(f"{flag} needs a compression codec with --dilocox-error-feedback")

@@ -40,6 +40,7 @@ def assert_one_line_error(proc, *needles):
     (["--dilocox", "--dilocox-rank-energy", "1.5"], ["--dilocox-rank-energy"]),
     (["--dilocox", "--dilocox-compression", "none", "--dilocox-keep-unsent"], ["--dilocox-keep-unsent"]),
     (["--dilocox", "--no-dilocox-error-feedback", "--dilocox-keep-unsent"], ["--dilocox-keep-unsent", "--dilocox-error-feedback"]),
+    (["--dilocox", "--dilocox-compression", "none", "--dilocox-flush-residual"], ["--dilocox-flush-residual"]),
     (["--sequence-parallel"], ["--sequence-parallel"]),
     (["--save-interval", "10"], ["--save-interval needs --save"]),
     (["--load", "/nonexistent/ckpt"], ["--load", "/nonexistent/ckpt"]),

@@ -19,11 +19,13 @@ from megatron_dilocox.config import DEFAULT_OVERLAP_STEPS, CompressionConfig, Di
 from megatron_dilocox.outer.compression import CompressedReducer
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, all_finite, allreduce_mean
+from megatron_dilocox.payload import HEADER_BYTES, topk_bytes
 from launch import run_forked
 
 MODES = ("sync", "delay", "eager", "delay-naive")
 SHAPES = [(5, 7), (13,), (3, 4, 2), (129,)]
 PAYLOAD = sum(math.prod(s) for s in SHAPES) * 4  # fp32 bytes of one pseudo-gradient
+TOPK_PAYLOAD = HEADER_BYTES + topk_bytes(PAYLOAD // 4, 64, 0.1, 2)  # one round of topk_reducer()
 H, ROUNDS = 3, 5
 SLEEP, COMPUTE = 0.3, 0.6  # overlap scenario: reduction time, local-steps time
 
@@ -60,14 +62,15 @@ def config(mode, clusters=2, **kwargs):
 
 
 def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, compress=False, keep_unsent=False,
-                  steps_out=None):
+                  flush=False, steps_out=None):
     """``landing``: the previous round's average is applied this many inner steps into a round;
     ``compress``: every replica compresses with ``topk_reducer()``; ``keep_unsent``: and keeps
-    its unsent progress; ``steps_out``: gets each boundary's replica digests."""
+    its unsent progress; ``flush``: the residuals are sent at the end; ``steps_out``: gets each
+    boundary's replica digests."""
     replicas = [toy_init() for _ in range(clusters)]
     compressors = [topk_reducer() for _ in range(clusters)] if compress else None
     ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"],
-                          compressors, keep_unsent)
+                          compressors, keep_unsent, flush)
     base_digests = []
     for r in range(rounds):
         steps = H
@@ -159,18 +162,23 @@ def scenario_landing(rank, group):
 
 
 UNSENT_CASES = {"sync": ("sync", None), "delay": ("delay", None), "delay-land": ("delay", LANDING)}
+FLUSH_CASES = {"sync": ("sync", None, False), "delay-land": ("delay", LANDING, False),
+               "delay-land-keep-unsent": ("delay", LANDING, True)}
 
 
-def scenario_unsent(rank, group):
-    """--dilocox-keep-unsent with a top-k reducer: base and the replica after every boundary."""
+def scenario_unsent(rank, group, flush=False):
+    """--dilocox-keep-unsent with a top-k reducer: base and the replica after every boundary.
+    ``flush``: the FLUSH_CASES instead, the residual sent at the end (--dilocox-flush-residual)."""
     out = {}
-    for name, (mode, landing) in UNSENT_CASES.items():
+    cases = FLUSH_CASES if flush else {name: (*case, True) for name, case in UNSENT_CASES.items()}
+    for name, (mode, landing, keep) in cases.items():
         params, data = toy_init(), toy_data(rank)
         counter = ByteCounter()
         red = topk_reducer(counter)
         landing_flag = {} if mode == "sync" else dict(overlap_steps=landing or H)
+        residual = lambda red=red: red.residual  # noqa: E731
         sync = OuterSync(params, group, config(mode, **landing_flag), red, counter,
-                         unsent=lambda red=red: red.residual)
+                         unsent=residual if keep else None, flush=residual if flush else None)
         rounds = []
         for r in range(ROUNDS):
             if landing and r:
@@ -179,8 +187,10 @@ def scenario_unsent(rank, group):
             local_steps(params, data, H - landing if landing and r else H)
             sync.step((r + 1) * H)
             rounds.append(dict(base=digest([sync.base]), replica=digest(params)))
-        sync.finish()
-        out[name] = dict(rounds=rounds, params=[p.clone() for p in params])
+        owed = red.residual.clone()
+        fin = sync.finish()
+        out[name] = dict(rounds=rounds, params=[p.clone() for p in params], owed=owed, residual=red.residual.clone(),
+                         finish=fin and asdict(fin))
         sync.close()
     return out
 
@@ -277,7 +287,7 @@ def scenario_resume(rank, group):
 def _scenarios(rank, group):
     return dict(modes=scenario_modes(rank, group), landing=scenario_landing(rank, group), nan=scenario_nan(rank, group),
                 overlap=scenario_overlap(rank, group), resume=scenario_resume(rank, group),
-                unsent=scenario_unsent(rank, group))
+                unsent=scenario_unsent(rank, group), flush=scenario_unsent(rank, group, flush=True))
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +348,23 @@ def test_keep_unsent_matches_reference(ranks, name):
     assert kept[-1] != reset[-1] and bases[-1] != reset_bases[-1]
     for k in range(2):
         assert all(torch.equal(p, q) for p, q in zip(ranks[k]["unsent"][name]["params"], replicas[k]))
+
+
+@pytest.mark.parametrize("name", list(FLUSH_CASES))
+def test_flush_residual_matches_reference(ranks, name):
+    """--dilocox-flush-residual: finish sends both clusters' residuals dense and applies their
+    mean, bit for bit as the reference; the final weights then differ from not flushing, the
+    residual is zero afterwards, and that last round sends the fp32 residual (4 bytes each)."""
+    mode, landing, keep = FLUSH_CASES[name]
+    replicas, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep, flush=True)
+    unflushed, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep)
+    drained = 0 if mode == "sync" else TOPK_PAYLOAD
+    for k in range(2):
+        res = ranks[k]["flush"][name]
+        assert all(torch.equal(p, q) for p, q in zip(res["params"], replicas[k]))
+        assert not all(torch.equal(p, q) for p, q in zip(res["params"], unflushed[k]))
+        assert bool((res["owed"] != 0).any()) and not bool(res["residual"].any())
+        assert res["finish"]["bytes_sent"] == drained + 4 * res["owed"].numel()
 
 
 def test_landing_resumes_exactly(ranks):

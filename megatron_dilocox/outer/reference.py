@@ -21,13 +21,15 @@ class ReferenceDiLoCo:
             None) -> [decoded]``, error feedback inside it, its ``residual`` read after each
             call); the mean is then of the replicas' decoded pseudo-gradients. None: exact mean.
         keep_unsent: a replica restarts from ``base`` less its compressor's residual.
+        flush: :meth:`finish` applies the mean of the compressors' residuals as one more outer step.
     """
 
-    def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False):
+    def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False,
+                 flush=False):
         assert mode in ("sync", "delay", "eager", "delay-naive")
-        assert not keep_unsent or compressors, "keep_unsent needs compressors"
+        assert not (keep_unsent or flush) or compressors, "keep_unsent and flush need compressors"
         self.mode, self.clusters = mode, clusters
-        self.compressors, self.keep_unsent = compressors, keep_unsent
+        self.compressors, self.keep_unsent, self.flush = compressors, keep_unsent, flush
         self.base = [t.detach().clone().float() for t in init]
         self.starts = [[b.clone() for b in self.base] for _ in range(clusters)]
         self.opt = torch.optim.SGD(
@@ -70,10 +72,16 @@ class ReferenceDiLoCo:
 
     @torch.no_grad()
     def finish(self, replicas):
-        """End of training: apply the last in-flight average; every replica becomes ``base``."""
+        """End of training: apply the last in-flight average (with ``flush``, then the mean
+        residual); every replica becomes ``base``."""
         if self.pending is not None:
             self._apply(self.pending)
             self.pending = None
+        if self.flush:
+            owed = [c.residual.split([b.numel() for b in self.base]) for c in self.compressors]
+            self._apply(self._mean([[e.view_as(b) for e, b in zip(ek, self.base)] for ek in owed], dense=True))
+            for c in self.compressors:
+                c.residual.zero_()
         self.starts = [self._copy(self.base) for _ in range(self.clusters)]
         self._load(replicas)
 
@@ -84,10 +92,11 @@ class ReferenceDiLoCo:
         residual = self.compressors[k].residual.split([b.numel() for b in self.base])
         return [b - e.view_as(b) for b, e in zip(self.base, residual)]
 
-    def _mean(self, deltas):
+    def _mean(self, deltas, dense=False):
         # Sum in cluster order, then divide. Bitwise equal to allreduce + div for C == 2; for
-        # C > 2 a ring allreduce may add in another order (compare with a tolerance).
-        if self.compressors:  # each replica's decoded payload, as every rank decodes them all
+        # C > 2 a ring allreduce may add in another order (compare with a tolerance). ``dense``:
+        # of the exact deltas even with compressors (the flush sends fp32).
+        if self.compressors and not dense:  # each replica's decoded payload, as every rank decodes them all
             deltas = [comp([torch.cat([d.reshape(-1) for d in dk])], None)[0].split([b.numel() for b in self.base])
                       for comp, dk in zip(self.compressors, deltas)]
             deltas = [[d.view_as(b) for d, b in zip(dk, self.base)] for dk in deltas]

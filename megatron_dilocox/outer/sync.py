@@ -182,6 +182,8 @@ class OuterSync:
             progress (the reducer's error-feedback residual, laid out as ``base``), read between
             reductions only. Given, a replica restarts from ``base - unsent()`` instead of
             ``base``: it keeps its own unsent progress while error feedback sends it.
+        flush: ``flush() -> tensor | None``: the same residual, for :meth:`finish` to send
+            densely as one last outer step (and then zero).
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class OuterSync:
         counter: ByteCounter | None = None,
         agree: Agree | None = None,
         unsent: Callable[[], torch.Tensor | None] | None = None,
+        flush: Callable[[], torch.Tensor | None] | None = None,
     ):
         config.validate()
         self.params = list(params)
@@ -213,7 +216,7 @@ class OuterSync:
         self.counter = counter if counter is not None else ByteCounter()
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
         self.agree = agree or (lambda flags: flags)
-        self.unsent = unsent
+        self.unsent, self.flush = unsent, flush
         with torch.no_grad():
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
@@ -300,20 +303,30 @@ class OuterSync:
         already in ``sync`` without ``unsent``).
 
         Call at the end of training, after the last :meth:`step` (or :meth:`land`), so the final
-        model is the outer one with every round's averaged work. Returns the drained round's
-        stats, or None when nothing was in flight (``sync``, or a round that already landed).
+        model is the outer one with every round's averaged work (with ``flush``, then the mean
+        residual too, one more outer step). Returns the stats of what it sent and applied, or
+        None when nothing was (``sync`` without ``flush``, or a round that already landed).
         """
         result, wait_s = self._wait()
         skipped = False
+        nbytes, comm_s = (result.nbytes, result.comm_s) if result is not None else (0, 0.0)
         if result is not None:
             (finite,) = self.agree([all_finite(result.grad)])
             skipped = not self._apply(result.grad, finite)
-        if self.config.sync_mode != "sync" or self.unsent is not None:
+        owed = self.flush() if self.flush is not None else None
+        if owed is not None:
+            sent, start = self.counter.bytes, time.perf_counter()
+            (mean,) = allreduce_mean([owed.clone()], self.group, self.counter)
+            (finite,) = self.agree([all_finite(mean)])
+            skipped = not self._apply(mean, finite) or skipped
+            owed.zero_()  # sent: a checkpoint saved after this must not send it again
+            nbytes, comm_s = nbytes + self.counter.bytes - sent, comm_s + time.perf_counter() - start
+        if self.config.sync_mode != "sync" or self.unsent is not None or owed is not None:
             self.round_start.copy_(self.base)
             self._write_params(self.base)
-        if result is None:
+        if result is None and owed is None:
             return None
-        return RoundStats(bytes_sent=result.nbytes, comm_s=result.comm_s, wait_s=wait_s, skipped=skipped,
+        return RoundStats(bytes_sent=nbytes, comm_s=comm_s, wait_s=wait_s, skipped=skipped,
                           outer_step=self.outer_step, iteration=self._iteration,
                           pseudo_grad_norm=0.0, pseudo_grad_sq=0.0)
 

@@ -58,9 +58,11 @@ class DiLoCoX:
                                                          counter=self.counter, seed=seed)
         if config.emulated_delay_s > 0:
             reduce = _delayed(reduce, config.emulated_delay_s)
-        unsent = (lambda: self.compressor.residual) if compression.keep_unsent else None
+        residual = lambda: self.compressor.residual  # noqa: E731
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
-                              counter=self.counter, agree=self._agree, unsent=unsent)
+                              counter=self.counter, agree=self._agree,
+                              unsent=residual if compression.keep_unsent else None,
+                              flush=residual if compression.flush_residual else None)
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
