@@ -75,6 +75,8 @@ case "$STUDY" in
       --method "delay topk 2b SGD lr0.7 land 1 inner 4e-3=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0 --dilocox-overlap-steps 1 $INNER4"
       --method "delay topk 2b SGD lr1 land 1 inner 4e-3 keep unsent=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-keep-unsent"
       --method "delay topk 2b EF1 SGD lr1 land 1 inner 4e-3 keep unsent=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 --dilocox-ef-decay 1.0 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-keep-unsent"
+      --method "delay topk 2b SGD lr1 land 1 inner 4e-3 flush=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-flush-residual"
+      --method "delay topk 2b SGD lr1 land 1 inner 4e-3 keep unsent flush=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-keep-unsent --dilocox-flush-residual"
       --compare "sync fp32 SGD lr1") ;;
   defaults)  # DiLoCoX at AllReduce's best learning rate (the pilot: 4e-3 beat 2e-3 for both)
     INNER="--lr 4e-3 --min-lr 4e-4"
