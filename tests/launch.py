@@ -1,6 +1,5 @@
 """Launch a multi-process scenario script with torchrun and collect what it wrote."""
 
-import json
 import os
 import socket
 import subprocess
@@ -28,7 +27,10 @@ def torchrun(nproc: int, script: str, args: list[str], timeout: int = 600, env=N
 
 
 def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """A metrics file's records, read as the tools read them."""
+    from tools.compare_runs import read_records
+
+    return read_records(path)
 
 
 def _forked_worker(rank, port, out_dir, scenarios):

@@ -153,3 +153,21 @@ def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
     capsys.readouterr()
     assert cs.main(argv) == 0  # resumed: both runs are done, nothing is launched
     assert "> [" not in capsys.readouterr().out
+
+
+def test_metrics_reader_skips_an_unfinished_last_line_and_names_a_bad_one(tmp_path):
+    """The tools' one metrics reader (compare_runs.read_records): a run that is writing (or was
+    killed writing) its last line still reads; a damaged line elsewhere is an error naming it."""
+    from compare_runs import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 1}\n\n{"iteration": 2}\n{"iterat')
+    assert read_records(path) == [{"iteration": 1}, {"iteration": 2}]
+    path.write_text('{"iteration": 1}\n{"iteration": 2}')  # a whole last record without its newline
+    assert read_records(path) == [{"iteration": 1}, {"iteration": 2}]
+    path.write_text('{"iteration": 1}\n{"iterat\n{"iteration": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
+        read_records(path)
+    path.write_text('[1, 2]\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON object"):
+        read_records(path)

@@ -10,7 +10,7 @@ uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or erro
 - ``dilocox-sync``, ``dilocox-delay``: DiLoCoX without compression, blocking / one-step delay
   (the overlapped methods use ``--overlap-mode``: ``delay`` or ``eager``, see outer/sync.py);
 - ``dilocox-delay-compressed``: delay with compressed pseudo-gradients (``--compression-args``,
-  default: the product's default codec, rank-8 low-rank with 8-bit factors);
+  default: the product's default codec and its settings, ``pretrain_gpt.py --help``);
 - ``dilocox-delay-compressed-adaptive``: delay, low-rank + quantized with the adaptive rank
   (``--dilocox-adaptive``);
 - ``compute-only``: each cluster trains alone as its own torchrun job (world = its ranks, its
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import launch  # noqa: E402
 import netns  # noqa: E402
-from compare_runs import summarize  # noqa: E402
+from compare_runs import read_records, summarize  # noqa: E402
 from pretrain_flags import flag_value  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ class Bench:
 
         def progress():
             try:
-                train = [r for r in _records(metrics[-1]) if "lm_loss" in r]
+                train = [r for r in read_records(metrics[-1]) if "lm_loss" in r]
             except FileNotFoundError:
                 return
             if train and train[-1] is not last[0]:
@@ -249,11 +249,6 @@ class Bench:
                     **projected_figures(full, short, unit))
 
 
-def _records(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _final_bytes(records: list[dict]) -> int:
     """Cross-cluster bytes sent by the metrics rank: the per-round records under DiLoCoX (complete,
     drain included), else the cumulative count of the last training record."""
@@ -283,7 +278,7 @@ def _curve(records: list[dict], time_of) -> list[dict]:
 
 
 def measured_figures(path: Path) -> dict:
-    s, records = summarize(str(path)), _records(path)
+    s, records = summarize(str(path)), read_records(path)
     drain = sum(r["wait_s"] for r in records if r.get("drain"))  # last round's in-flight reduction
     train, wall = s["train_s"] + drain, s["wall_s"] + drain
     curve = _curve(records, lambda t: t["train_s"])
@@ -295,8 +290,8 @@ def measured_figures(path: Path) -> dict:
 
 def projected_figures(full: Path, short: Path, unit: int) -> dict:
     """Loss and bytes of the unshaped full run; time = tokens / steady shaped throughput."""
-    s, records = summarize(str(full)), _records(full)
-    train = [r for r in _records(short) if "lm_loss" in r]
+    s, records = summarize(str(full)), read_records(full)
+    train = [r for r in read_records(short) if "lm_loss" in r]
     first, last = next(r for r in train if r["iteration"] == unit), train[-1]
     rate = (last["tokens"] - first["tokens"]) / (last["train_s"] - first["train_s"])
     wall = s["tokens"] / rate + _eval_s(records)  # validation as long as in the unshaped run
@@ -310,7 +305,7 @@ def projected_figures(full: Path, short: Path, unit: int) -> dict:
 def compute_only_figures(paths: list[Path]) -> dict:
     """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean."""
     runs = [summarize(str(p)) for p in paths]
-    curves = [_curve(_records(p), lambda t: t["train_s"]) for p in paths]
+    curves = [_curve(read_records(p), lambda t: t["train_s"]) for p in paths]
     curve = [dict(iteration=pts[0]["iteration"], tokens=sum(p["tokens"] for p in pts),
                   time_s=max(p["time_s"] for p in pts), bytes=0,
                   val_loss=sum(p["val_loss"] for p in pts) / len(pts)) for pts in zip(*curves)]

@@ -31,6 +31,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+from compare_runs import read_records  # noqa: E402
 
 ITERS, LOG_INTERVAL = 50, 10
 """Steps per measured run and per log window; the first window (warm-up) is not counted."""
@@ -253,7 +256,7 @@ def predicted_step(p, layout: str) -> float:
 
 
 def measured(path: str) -> dict:
-    recs = [json.loads(line) for line in open(path) if line.strip()]
+    recs = read_records(path)
     logs = [r for r in recs if "tokens_per_sec" in r]
     tokens_per_step = logs[0]["tokens"] / logs[0]["iteration"]
     steps = [tokens_per_step / r["tokens_per_sec"] for r in logs[1:]]  # first window: warm-up

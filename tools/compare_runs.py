@@ -13,13 +13,28 @@ import sys
 from pathlib import Path
 
 
-def read_records(path: str) -> list[dict]:
-    """The records of a ``--metrics-file``; SystemExit with a one-line error if unreadable."""
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {path}: {err}") from None
+def read_records(path) -> list[dict]:
+    """The records of a ``--metrics-file`` in order: the one reader of the tools and tests.
+
+    A last line that is not yet whole (the run is writing it, or was killed while it did) is
+    left out; any other line that is not a JSON object raises ValueError naming file and line.
+    OSError (no such file) passes through.
+    """
+    *lines, tail = Path(path).read_text().split("\n")
+    records = []
+    for number, line in enumerate(lines + [tail], 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) + 1:  # the unfinished last line
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record: {line[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object: {line[:80]!r}")
+        records.append(record)
+    return records
 
 
 def summarize(path: str) -> dict:
@@ -54,7 +69,10 @@ def main(argv=None) -> int:
         name, sep, path = item.partition("=")
         if not sep:
             parser.error(f"expected NAME=METRICS_FILE, got {item!r}")
-        groups.setdefault(name, []).append(summarize(path))
+        try:
+            groups.setdefault(name, []).append(summarize(path))
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
     rows = [(name, _mean(runs)) for name, runs in groups.items()]
     base = rows[-1][1]
     header = (f"{'run':<14} {'n':>2} {'val loss':>9} {'spread':>7} {'vs base':>8} {'tokens':>10} {'train s':>8} "

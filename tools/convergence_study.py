@@ -273,8 +273,8 @@ def launch_port() -> int:
 
 def _records(path: Path) -> list[dict]:
     try:
-        return read_records(str(path))
-    except SystemExit:  # absent or being written
+        return read_records(path)
+    except FileNotFoundError:  # not written yet
         return []
 
 
