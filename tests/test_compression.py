@@ -431,11 +431,9 @@ def test_single_cluster_round_stats_and_bytes(codec, bits):
     assert st_["round"] == 1 and min(st_["encode_s"], st_["decode_s"]) >= 0
 
 
-def test_none_codec_is_allreduce_mean():
-    red = CompressedReducer(SHAPES, CompressionConfig(codec="none"))
-    x = rand(NUMEL, seed=10)
-    (out,) = red([x], None)
-    assert out is x and red.last_stats["ratio"] == 1.0
+def test_none_is_not_a_compressed_reduction():
+    with pytest.raises(ValueError, match="--dilocox-compression none sends the fp32 mean"):
+        CompressedReducer(SHAPES, CompressionConfig(codec="none"))
 
 
 @pytest.mark.parametrize("codec", ["quantize", "lowrank", "lowrank-quantize", "topk"])

@@ -23,7 +23,6 @@ SHAPES = [(48, 40), (40,), (3, 4, 5), (1, 90), (64, 24), (7,)]
 NUMEL = sum(math.prod(s) for s in SHAPES)
 ROUNDS = 3
 CASES = {
-    "none": dict(codec="none"),
     "quantize8": dict(codec="quantize", bits=8),
     "quantize4-ef": dict(codec="quantize", bits=4, error_feedback=True),
     "lowrank": dict(codec="lowrank", rank=4),
@@ -83,7 +82,7 @@ def scenario_codecs(rank, group, tap):
         red = CompressedReducer(SHAPES, CompressionConfig(**kwargs), counter=counter)
         rounds = []
         for rnd in range(1, ROUNDS + 1):
-            expected = 4 * NUMEL if red.codec == "none" else header_bytes_formula(red) + 32 * (rnd == 1)
+            expected = header_bytes_formula(red) + 32 * (rnd == 1)
             b0, s0 = counter.bytes, tap.sent
             (res,) = red([cluster_input(rank, rnd)], group)
             rounds.append(dict(out=res.clone(), counted=counter.bytes - b0, actual=tap.sent - s0,
@@ -176,11 +175,6 @@ def test_bytes_counted_equal_bytes_sent_and_the_formula(ranks, case):
 
 def mean_input(rnd):
     return (cluster_input(0, rnd) + cluster_input(1, rnd)) / 2
-
-
-def test_none_is_the_exact_mean(ranks):
-    for rnd in range(ROUNDS):
-        assert torch.equal(ranks[0]["codecs"]["none"][rnd]["out"], mean_input(rnd + 1))
 
 
 def test_lowrank_fp32_is_exact_for_low_rank_means_and_dense_parts(ranks):

@@ -12,8 +12,8 @@ every rank; returns ``[g]``, the decompressed mean, bit-identical on every rank:
     ...
     sync.step(iteration); reducer.last_stats  # ratio, rel_error, ranks, timings of the last round
 
-**How agreement is guaranteed.** Except for ``none`` (a plain fp32 ring all-reduce, as
-:func:`~megatron_dilocox.outer.sync.allreduce_mean`), nothing is summed in flight. Each exchange
+**How agreement is guaranteed.** Nothing is summed in flight (``none``, the fp32 mean, is
+:func:`~megatron_dilocox.outer.sync.allreduce_mean`, not this class). Each exchange
 all-gathers every cluster's framed payload (header + crc32, see ``wire.py``); every rank checks
 and decodes all C payloads, including its own as it came back, and sums them in fp32 in cluster
 order 0, 1, ..., C-1, then divides by C (a tensor divide: true IEEE division on every device).
@@ -69,7 +69,7 @@ class CompressedReducer:
         shapes: shapes of the tensors the flat buffer concatenates, in order. Tensors of 2 or
             more dims are (shape[0], rest) matrices; they go low-rank if the factors are smaller
             than the matrix, the rest go dense.
-        config: the codec and its settings (``none``: fp32 all-reduce; ``quantize``: every
+        config: the codec and its settings (``quantize``: every
             tensor blockwise int8/int4; ``lowrank``: PowerSGD fp32 factors, dense tensors fp32;
             ``lowrank-quantize``: factors and dense tensors quantized; ``topk``: the flat
             buffer's largest entries per chunk, low-bit, see ``topk.py``). The PowerSGD rank is
@@ -84,9 +84,12 @@ class CompressedReducer:
                  counter: ByteCounter | None = None, seed: int = 0):
         config.validate()
         codec = config.codec
+        if codec == "none":
+            raise ValueError("--dilocox-compression none sends the fp32 mean (outer.sync.allreduce_mean); "
+                             "CompressedReducer needs a codec")
         self.shapes = [torch.Size(s) for s in shapes]
         self.codec, self.bits, self.rank, self.block = codec, config.bits, config.rank, config.block
-        self.error_feedback, self.ef_decay = config.error_feedback and codec != "none", config.ef_decay
+        self.error_feedback, self.ef_decay = config.error_feedback, config.ef_decay
         self.counter, self.seed = counter, seed
         self.adaptive, self.min_rank, self.energy = config.adaptive, config.min_rank, config.rank_energy
         self.chunk, self.density = config.topk_chunk, config.topk_density
@@ -118,7 +121,7 @@ class CompressedReducer:
         """Mean over ``group`` of the one flat fp32 tensor in ``tensors`` (see the module doc).
 
         ``group`` None (one cluster) runs the same compression with no communication. The
-        ``none`` codec reduces in place, like ``allreduce_mean``; the others leave the input alone.
+        input is left alone.
         """
         if len(tensors) != 1:
             raise ValueError(f"CompressedReducer reduces one flat buffer, got {len(tensors)} tensors")
@@ -129,23 +132,7 @@ class CompressedReducer:
                 f"got {delta.dtype} of shape {tuple(delta.shape)}"
             )
         with torch.no_grad():
-            if self.codec == "none":
-                return [self._allreduce(delta, group)]
             return [self._reduce(delta, group)]
-
-    def _allreduce(self, delta: torch.Tensor, group) -> torch.Tensor:
-        from megatron_dilocox.outer.sync import allreduce_mean  # plain torch; imported late
-
-        self.round += 1
-        start = time.perf_counter()
-        allreduce_mean([delta], group, self.counter)
-        sent = 0 if group is None else 4 * self.numel
-        self.last_stats = dict(
-            round=self.round, codec="none", dense_bytes=4 * self.numel, payload_bytes=4 * self.numel,
-            sent_bytes=sent, ratio=1.0, rel_error=0.0, ranks=[], mean_rank=0.0, encode_s=0.0,
-            comm_s=time.perf_counter() - start, decode_s=0.0, residual_ratio=0.0,
-        )
-        return delta
 
     def _reduce(self, delta: torch.Tensor, group) -> torch.Tensor:
         self.round += 1
