@@ -14,9 +14,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import dilocox_config, padded_vocab_size, parse_args, validate_world
+from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, parse_args, validate_world
 from megatron_dilocox.data.tokenizer import build_tokenizer
 from megatron_dilocox.megatron_state import main_params
+from megatron_dilocox.outer.compression import CompressedReducer
 from megatron_dilocox.outer.reference import ReferenceDiLoCo
 from megatron_dilocox.platform import cpu
 from megatron_dilocox.topology import build_topology, init_distributed
@@ -43,7 +44,7 @@ def replica(args, topo, tokenizer, train, valid, shard, clusters):
 
 def run(spec, out):
     args = parse_args(spec["flags"])
-    clusters, cfg = args.clusters, dilocox_config(args)
+    clusters, cfg, comp = args.clusters, dilocox_config(args), compression_config(args)
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         setattr(args, name, 1)
     args.virtual_pipeline_model_parallel_size = None
@@ -58,7 +59,11 @@ def run(spec, out):
     tied = not args.untie_embeddings_and_output_weights
     torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.init.pt")
     params = [main_params(r.optimizer) for r in replicas]
-    ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov)
+    compressors = None  # one per replica, as each cluster's rank holds one (TP1/PP1 runs only)
+    if comp.codec != "none":
+        compressors = [CompressedReducer([p.shape for p in params[0]], comp, seed=args.seed) for _ in range(clusters)]
+    ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov,
+                          compressors, comp.keep_unsent, comp.flush_residual)
     for iteration in range(1, args.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)

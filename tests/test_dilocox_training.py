@@ -29,6 +29,11 @@ LANDING = ["--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "1"]
 # C = 4 clusters of one rank (overriding MODEL's 2, so that 1/C is neither 1/2 nor 1 - 1/C), each
 # round's average applied at the next boundary: a replica trains a whole round from its restart point.
 C4_AT_BOUNDARY = ["--dilocox-clusters", "4", "--dilocox-overlap-steps", str(H)]
+# topk on C = 4 clusters of one rank (each compresses the whole model, as the reference does),
+# each replica keeping its unsent progress, the residuals sent at the end.
+TOPK_C4 = ["--dilocox-clusters", "4", "--dilocox-sync-mode", "delay", "--dilocox-compression", "topk",
+           "--dilocox-topk-chunk", "1024"]
+UNSENT_FLUSH = ["--dilocox-keep-unsent", "--dilocox-flush-residual"]
 # A NaN in one parameter of rank 0 (stage 0, or TP rank 0, of cluster 0) before the first boundary,
 # and the rounds every rank must skip: delay mode applies that round at the second boundary.
 # (Landing at the boundaries, where the scenario checks whether base moved; the mid-round landing's
@@ -47,6 +52,7 @@ def runs(tmp_path_factory):
     specs.append({"name": "topk", "flags": MODEL + LAYOUTS["pp2"] + TOPK})
     specs.append({"name": "pp2_landing", "flags": MODEL + LAYOUTS["pp2"] + LANDING})
     specs.append({"name": "eager_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", "eager"]})
+    specs.append({"name": "topk_c4_unsent_flush", "flags": MODEL + TOPK_C4 + UNSENT_FLUSH})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
     # TP1/PP1: DP_in = 2 per cluster, without the distributed optimizer.
     specs.append({"name": "dp2", "flags": MODEL + ["--dilocox-sync-mode", "sync"], "measure_norms": True})
@@ -58,6 +64,8 @@ def runs(tmp_path_factory):
     refs.append({"name": "landing", "flags": MODEL + LANDING})
     refs += [{"name": f"{mode}_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", mode]}
              for mode in ("eager", "delay")]
+    refs += [{"name": "topk_c4", "flags": MODEL + TOPK_C4},
+             {"name": "topk_c4_unsent_flush", "flags": MODEL + TOPK_C4 + UNSENT_FLUSH}]
     (out / "ref.json").write_text(json.dumps(refs))
     torchrun(1, REPO / "tests" / "reference_dilocox.py", [str(out), str(out / "ref.json")])
     return out
@@ -97,6 +105,18 @@ def test_eager_at_boundary_matches_reference(runs):
     rounds = [r for r in read_jsonl(runs / "eager_c4.metrics.jsonl") if "outer_step" in r]
     assert [r["bytes_sent"] for r in rounds] == [0] + [infos[0]["outer_numel"] * 4] * (ITERS // H)
     assert rounds[-1]["drain"]
+
+
+def test_keep_unsent_and_flush_on_the_real_model_match_reference(runs):
+    """--dilocox-keep-unsent --dilocox-flush-residual with topk: the replicas restart from base
+    less their residuals and the end sends those densely, as the reference with one compressor
+    per replica does; the last record counts the drained round plus the fp32 flush."""
+    _assert_matches_reference(runs, "topk_c4_unsent_flush", "topk_c4_unsent_flush", "topk_c4", cluster_size=1)
+    infos = [json.loads((runs / f"topk_c4_unsent_flush.info.{rank}.json").read_text()) for rank in range(4)]
+    assert all(info["hash_checks"] == ITERS // H for info in infos)
+    numel = infos[0]["outer_numel"]
+    last = [r for r in read_jsonl(runs / "topk_c4_unsent_flush.metrics.jsonl") if "outer_step" in r][-1]
+    assert last["drain"] and last["bytes_sent"] == HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2) + 4 * numel
 
 
 def _assert_matches_reference(runs, name, reference, other_reference, cluster_size=2):
