@@ -30,7 +30,7 @@ fragmentation, NCCL buffers or logits, so keep some headroom):
 * inner AdamW: 12 bytes/param with bf16 (fp32 main param + 2 moments), 8 without; divided by
   DP_in with ``--use-distributed-optimizer``;
 * outer DiLoCoX state: ``OUTER_BYTES_PER_PARAM`` (20 bytes/param in delay mode, 16 in sync, +4
-  with error feedback; see there) of the rank's outer shard (the distributed optimizer's shard,
+  with error feedback, +4 more in sync with keep-unsent; see there) of the rank's outer shard (the distributed optimizer's shard,
   i.e. / DP_in, when it is used); with ``--dilocox-offload-outer-state`` it moves from the GPU to
   pinned host memory (``Plan.host_memory``, per GPU: multiply by GPUs per node for a node);
 * activations (Korthikanti et al. 2022, 16-bit, no sequence parallel), per layer and
@@ -250,7 +250,8 @@ base and Nesterov momentum (8); in delay modes the round start (4) and the pseud
 flight (4) live through the round, and at a boundary the new pseudo-gradient (4) meets the
 previous round's average (4 of the 8 already counted) - 20 at peak, 16 between boundaries; in
 sync mode the pseudo-gradient and its average exist only at the boundary (8 + 8). Error feedback
-adds its fp32 residual (4). Codec buffers (factors, payloads) are not counted."""
+adds its fp32 residual (4), and ``keep_unsent`` in sync mode a round start (4). Codec buffers
+(factors, payloads) are not counted."""
 
 
 @dataclass
@@ -327,7 +328,8 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, 
     else:
         act = full_layer * per_stage * in_flight
     adam = (12 if lay.bf16 else 8) * n_rank / (dp_in if lay.use_distributed_optimizer else 1)
-    outer = (OUTER_BYTES_PER_PARAM[d.sync_mode] + 4 * comp.error_feedback) * n_outer if c > 1 else 0.0
+    own_start = d.sync_mode == "sync" and comp.keep_unsent  # sync keeps no round start of its own otherwise
+    outer = (OUTER_BYTES_PER_PARAM[d.sync_mode] + 4 * comp.error_feedback + 4 * own_start) * n_outer if c > 1 else 0.0
     p.memory = dict(
         weights=(2 if lay.bf16 else 4) * n_rank, grads=4 * n_rank, inner_optimizer=adam,
         outer_state=0.0 if d.offload_outer_state else outer, activations=act,

@@ -190,13 +190,15 @@ def test_compressed_rounds(runs):
 
 
 def test_topk_rounds(runs):
-    """topk (error feedback on by default): clusters agree bit for bit after every round, and each
-    round sends the format's bytes for the last stage's shard (plus the handshake, once)."""
+    """topk (error feedback, keep-unsent and the final flush on by default): clusters agree bit for
+    bit after every round, and each round sends the format's bytes for the last stage's shard (plus
+    the handshake, once); the drained last round also sends the residual, fp32."""
     infos = [json.loads((runs / f"topk.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == ITERS // H for info in infos)
     applied = [r for r in read_jsonl(runs / "topk.metrics.jsonl") if "outer_step" in r and r["bytes_sent"]]
-    payload = HEADER_BYTES + topk_bytes(infos[3]["outer_numel"], 1024, 1 / 64, 2)
-    assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 1)
+    numel = infos[3]["outer_numel"]
+    payload = HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2)
+    assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 2) + [payload + 4 * numel]
     for r in applied:
         assert r["compression_ratio"] == 4 * infos[3]["outer_numel"] / payload > 50
         assert 0 < r["rel_error"] < 1 and r["residual_ratio"] > 0

@@ -25,7 +25,8 @@ from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig  # noqa: E4
 from megatron_dilocox.planner import Layout, Machine, ModelShape, plan, report  # noqa: E402
 
 PLANNED_OUTER = ("clusters", "local_steps", "sync_mode", "overlap_steps", "offload_outer_state")
-PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback")
+PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback",
+                       "keep_unsent")
 """The DiLoCoX and compression settings the plan depends on (their pretrain_gpt.py flags)."""
 
 PAPER_RATIO = 357.0
