@@ -171,3 +171,17 @@ def test_metrics_reader_skips_an_unfinished_last_line_and_names_a_bad_one(tmp_pa
     path.write_text('[1, 2]\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON object"):
         read_records(path)
+
+
+def test_a_runs_bytes_include_what_its_drained_round_sent():
+    """The drained last round (with the final flush) follows the last training record: the run's
+    total is the last count any record carries."""
+    from compare_runs import final_cross_cluster_bytes
+
+    records = [{"iteration": 10, "lm_loss": 5.0, "cross_cluster_bytes": 100},
+               {"outer_step": 1, "drain": False, "cross_cluster_bytes": 150},
+               {"iteration": 20, "lm_loss": 4.0, "cross_cluster_bytes": 200},
+               {"iteration": 20, "val_loss": 4.1},
+               {"outer_step": 2, "drain": True, "bytes_sent": 900, "cross_cluster_bytes": 1100}]
+    assert final_cross_cluster_bytes(records) == 1100
+    assert final_cross_cluster_bytes(records[:4]) == 200 and final_cross_cluster_bytes(records[3:4]) is None

@@ -37,6 +37,13 @@ def read_records(path) -> list[dict]:
     return records
 
 
+def final_cross_cluster_bytes(records: list[dict]) -> int | None:
+    """The run's cross-cluster bytes: the last count any record carries (a DiLoCoX run's drained
+    last round, with the final flush, comes after its last training record)."""
+    counts = [r["cross_cluster_bytes"] for r in records if r.get("cross_cluster_bytes") is not None]
+    return counts[-1] if counts else None
+
+
 def summarize(path: str) -> dict:
     """Final validation loss, tokens, time and cross-cluster bytes of one metrics file.
 
@@ -52,7 +59,7 @@ def summarize(path: str) -> dict:
     train_s = last.get("train_s", last["elapsed_s"])  # files written before train_s: wall clock
     return dict(val_loss=evals[-1]["val_loss"], tokens=last["tokens"], train_s=train_s,
                 wall_s=last["elapsed_s"], tokens_per_sec=last["tokens"] / train_s,
-                cross_cluster_bytes=last.get("cross_cluster_bytes"),
+                cross_cluster_bytes=final_cross_cluster_bytes(records),
                 rounds=sum(1 for r in records if "outer_step" in r and not r.get("drain")))
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "wan"))  # for wan/laun
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compare_runs import read_records  # noqa: E402
+from compare_runs import final_cross_cluster_bytes, read_records  # noqa: E402
 from pretrain_flags import flag_value  # noqa: E402
 from wan import launch  # noqa: E402  (tools/wan/launch.py: runs commands, stops them all on error or Ctrl-C)
 
@@ -289,7 +289,7 @@ def summarize_run(path: Path) -> dict:
     return dict(
         val_loss=evals[-1]["val_loss"], val_loss_se=evals[-1]["val_loss_se"], val_batches=evals[-1]["val_batches"],
         tokens=train[-1]["tokens"], train_s=train[-1]["train_s"],
-        cross_cluster_bytes=train[-1].get("cross_cluster_bytes", 0),
+        cross_cluster_bytes=final_cross_cluster_bytes(records) or 0,
         rounds=len(rounds),
         bytes_per_round=statistics.mean(r["bytes_sent"] for r in rounds) if rounds else None,
         dense_bytes_per_round=(statistics.mean(r.get("dense_bytes", r["bytes_sent"]) for r in rounds)

@@ -167,11 +167,12 @@ class DiLoCoX:
         """The round's record (collective in the cluster: the norm); ``boundary``: the fields
         only a boundary has, not a drain (``round_compute_s``, ``local_steps``, adaptive H's measurements)."""
         between = self.audit.cross_cluster_bytes("step", "eval") if self.audit is not None else None
+        total = self.audit.cross_cluster_bytes() if self.audit is not None else None
         applied = {f.name: getattr(stats, f.name) for f in fields(AppliedReduction)}
         return OuterRound(**applied, outer_step=stats.outer_step, iteration=stats.iteration,
                           pseudo_grad_norm=self._norm(stats.pseudo_grad_sq), drain=drain,
                           compression=self._codec_round(stats),
-                          cross_cluster_bytes_between_boundaries=between, **boundary)
+                          cross_cluster_bytes_between_boundaries=between, cross_cluster_bytes=total, **boundary)
 
     def step(self, iteration: int) -> OuterRound:
         """The round boundary after ``iteration``; returns the round's record."""

@@ -60,6 +60,9 @@ class OuterRound(AppliedReduction):
     cross_cluster_bytes_between_boundaries: int | None = None
     """Bytes the training thread sent across clusters outside boundaries so far (must be 0);
     with clusters only."""
+    cross_cluster_bytes: int | None = None
+    """All bytes this rank sent across clusters so far, as training records count them; the
+    drain's is the run's total (it follows the last training record)."""
 
     @property
     def codec_fraction(self) -> float | None:
