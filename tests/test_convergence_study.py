@@ -97,7 +97,18 @@ def test_run_order_best_baseline_and_resume(tmp_path):
         _study(tmp_path, methods, ["AR lr1", "AR lr2"]).pending()
     # A setting the run's record lacks (a flag added since it ran) is not compared.
     del summary["settings"]["dilocox_outer_lr"]
+    # A codec default is compared as the run resolves it (None in the parsed flags: on with topk).
+    summary["settings"]["dilocox_keep_unsent"] = False
     path.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="other settings of dilocox_keep_unsent"):
+        _study(tmp_path, methods, ["AR lr1", "AR lr2"]).pending()
+    summary["settings"]["dilocox_keep_unsent"] = True
+    path.write_text(json.dumps(summary))
+    # An AllReduce run's outer-loop settings do not apply to it: a changed DiLoCoX default keeps it.
+    ar_path = study.folder("AR lr1", 1) / "done.json"
+    ar = json.loads(ar_path.read_text())
+    ar["settings"]["dilocox_keep_unsent"] = "anything"
+    ar_path.write_text(json.dumps(ar))
     assert _study(tmp_path, methods, ["AR lr1", "AR lr2"]).pending()[0] == ("AR lr1", 2)
 
 

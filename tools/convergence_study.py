@@ -177,9 +177,21 @@ class Study:
     def settings(self, method: str, seed: int) -> dict:
         """Every pretrain_gpt.py setting of the run, defaults resolved, as the run itself parses them."""
         if (method, seed) not in self._settings:
-            from megatron_dilocox.arguments import parse_args
+            import dataclasses
 
-            resolved = vars(parse_args(self.flags(method, seed)))
+            from megatron_dilocox import flags
+            from megatron_dilocox.arguments import compression_config, parse_args
+            from megatron_dilocox.config import CompressionConfig
+
+            args = parse_args(self.flags(method, seed))
+            resolved = vars(args)
+            if args.dilocox:  # the codec's defaults as the run resolves them (None: "the codec's default")
+                comp = compression_config(args)
+                resolved.update({flags.dest(f, "dilocox"): getattr(comp, f.name)
+                                 for f in dataclasses.fields(CompressionConfig)})
+            else:  # AllReduce: the outer loop's settings do not apply (the clusters only count bytes)
+                resolved = {k: v for k, v in resolved.items()
+                            if not k.startswith("dilocox_") or k == "dilocox_clusters"}
             self._settings[method, seed] = json.loads(json.dumps(resolved, default=str))
         return self._settings[method, seed]
 
