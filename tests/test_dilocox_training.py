@@ -30,7 +30,8 @@ LANDING = ["--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "1"]
 # round's average applied at the next boundary: a replica trains a whole round from its restart point.
 C4_AT_BOUNDARY = ["--dilocox-clusters", "4", "--dilocox-overlap-steps", str(H)]
 # topk on C = 4 clusters of one rank (each compresses the whole model, as the reference does),
-# each replica keeping its unsent progress, the residuals sent at the end.
+# each replica keeping its unsent progress, the residuals sent at the end (the defaults, given
+# explicitly; the reference to tell them apart turns both off).
 TOPK_C4 = ["--dilocox-clusters", "4", "--dilocox-sync-mode", "delay", "--dilocox-compression", "topk",
            "--dilocox-topk-chunk", "1024"]
 UNSENT_FLUSH = ["--dilocox-keep-unsent", "--dilocox-flush-residual"]
@@ -64,7 +65,8 @@ def runs(tmp_path_factory):
     refs.append({"name": "landing", "flags": MODEL + LANDING})
     refs += [{"name": f"{mode}_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", mode]}
              for mode in ("eager", "delay")]
-    refs += [{"name": "topk_c4", "flags": MODEL + TOPK_C4},
+    neither = ["--no-dilocox-keep-unsent", "--no-dilocox-flush-residual"]
+    refs += [{"name": "topk_c4", "flags": MODEL + TOPK_C4 + neither},
              {"name": "topk_c4_unsent_flush", "flags": MODEL + TOPK_C4 + UNSENT_FLUSH}]
     (out / "ref.json").write_text(json.dumps(refs))
     torchrun(1, REPO / "tests" / "reference_dilocox.py", [str(out), str(out / "ref.json")])
@@ -185,8 +187,12 @@ def test_compressed_rounds(runs):
     dense = infos[3]["outer_numel"] * 4
     for r in applied:
         assert r["dense_bytes"] == dense
-        assert r["bytes_sent"] < dense / 4 and r["compression_ratio"] > 4
         assert 0 < r["rel_error"] < 1 and 1 <= r["mean_rank"] <= 4
+    # Error feedback is on, so keep-unsent and the final flush are too: the drained last round
+    # also sends the residual, fp32.
+    *steady, drained = applied
+    assert all(r["bytes_sent"] < dense / 4 and r["compression_ratio"] > 4 for r in steady)
+    assert drained["drain"] and dense < drained["bytes_sent"] < dense + dense / 4
 
 
 def test_topk_rounds(runs):
