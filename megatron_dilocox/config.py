@@ -12,16 +12,6 @@ QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 ALL_QUANT_BITS = tuple(sorted({b for bits in QUANT_BITS.values() for b in bits}, reverse=True))
 
 
-def default_bits(codec: str) -> int:
-    """``--dilocox-quant-bits`` when not given: 8 (2 for ``topk``, see :class:`CompressionConfig`)."""
-    return 2 if codec == "topk" else 8
-
-
-def default_error_feedback(codec: str) -> bool:
-    """``--dilocox-error-feedback`` when not given: on for ``topk`` only."""
-    return codec == "topk"
-
-
 DEFAULT_OVERLAP_STEPS = 1
 """``--dilocox-overlap-steps`` when not given: the average lands one inner step into the next
 round (closest to blocking ``sync`` of the overlapped settings measured, docs/convergence.md)."""
@@ -244,10 +234,10 @@ class CompressionConfig:
     several rounds' worth of the replicas' smaller entries, sent late or (decayed) never."""
 
     def __post_init__(self):
-        if self.bits is None:
-            self.bits = default_bits(self.codec)
-        if self.error_feedback is None:
-            self.error_feedback = default_error_feedback(self.codec)
+        if self.bits is None:  # 8, topk 2 (see the field)
+            self.bits = 2 if self.codec == "topk" else 8
+        if self.error_feedback is None:  # topk only (see the field)
+            self.error_feedback = self.codec == "topk"
         residual = self.error_feedback and self.codec != "none"
         if self.keep_unsent is None:
             self.keep_unsent = residual

@@ -44,14 +44,19 @@ def help_text(doc: str) -> str:
     return _ROLE.sub(r"\1", first).replace("``", "")
 
 
+def _name(f: dataclasses.Field) -> str:
+    """NAME of a field's flag: ``metadata['flag']``, else the field's name with dashes."""
+    return f.metadata.get("flag", f.name.replace("_", "-"))
+
+
 def flag_name(f: dataclasses.Field, prefix: str) -> str:
-    """``--PREFIX-NAME`` of a field (``metadata['flag']`` replaces NAME), without the ``no-``."""
-    return f"--{prefix}-{f.metadata.get('flag', f.name.replace('_', '-'))}"
+    """``--PREFIX-NAME`` of a field, without the ``no-``."""
+    return f"--{prefix}-{_name(f)}"
 
 
 def dest(f: dataclasses.Field, prefix: str) -> str:
     """The attribute of the parsed namespace that holds a field's value."""
-    return flag_name(f, prefix)[2:].replace("-", "_")
+    return f"{prefix}_{_name(f)}".replace("-", "_")
 
 
 def _value_type(cls, f: dataclasses.Field) -> tuple[type, bool]:
@@ -75,21 +80,17 @@ def add_flags(group, cls, prefix: str, *, names=None, unset: bool = False) -> No
         if names is not None and f.name not in names:
             continue
         value_type, optional = _value_type(cls, f)
-        name, help_ = flag_name(f, prefix), help_text(docs[f.name])
+        common = dict(dest=dest(f, prefix), help=help_text(docs[f.name]))
         default = None if unset or f.metadata.get("resolved") else f.default
-        if value_type is bool:
-            if optional:
-                group.add_argument(name, dest=dest(f, prefix), action=argparse.BooleanOptionalAction,
-                                   default=None, help=help_)
-            elif f.default:
-                group.add_argument(f"--{prefix}-no-{name[len(prefix) + 3:]}", dest=dest(f, prefix),
-                                   action="store_false", default=None if unset else True, help=help_)
-            else:
-                group.add_argument(name, dest=dest(f, prefix), action="store_true",
-                                   default=None if unset else False, help=help_)
+        if value_type is not bool:
+            group.add_argument(flag_name(f, prefix), type=value_type, default=default,
+                               choices=f.metadata.get("choices"), **common)
+        elif optional:
+            group.add_argument(flag_name(f, prefix), action=argparse.BooleanOptionalAction, default=None, **common)
+        elif f.default:
+            group.add_argument(f"--{prefix}-no-{_name(f)}", action="store_false", default=default, **common)
         else:
-            group.add_argument(name, dest=dest(f, prefix), type=value_type, default=default,
-                               choices=f.metadata.get("choices"), help=help_)
+            group.add_argument(flag_name(f, prefix), action="store_true", default=default, **common)
 
 
 def defaults(cls, prefix: str, names=None) -> dict:

@@ -324,7 +324,7 @@ def test_topk_round_trip_keeps_the_top_k_per_chunk(case):
     red = CompressedReducer([(x.numel(),)], CompressionConfig(codec="topk", bits=bits, topk_chunk=chunk,
                                                               topk_density=density, ef_decay=1.0))
     (out,) = red([x], None)
-    assert torch.equal(out, y) and red.error_feedback
+    assert torch.equal(out, y) and red.config.error_feedback
     assert torch.equal(red.residual, x - y) and torch.equal(red.residual[~keep], x[~keep])
     assert red.last_stats["payload_bytes"] == wire.HEADER_BYTES + body.numel()
 
@@ -402,10 +402,11 @@ NUMEL = sum(math.prod(s) for s in SHAPES)
 
 def header_bytes_formula(red):
     """Bytes a round of ``red`` sends, from the documented formula."""
-    if red.codec == "topk":
-        return wire.HEADER_BYTES + topk_bytes(red.numel, red.chunk, red.density, red.bits)
+    c = red.config
+    if c.codec == "topk":
+        return wire.HEADER_BYTES + topk_bytes(red.numel, c.topk_chunk, c.topk_density, c.bits)
     def s(n):
-        return 4 * n if red.payload_bits == 32 else quantized_bytes(n, red.payload_bits, red.block)
+        return 4 * n if red.payload_bits == 32 else quantized_bytes(n, red.payload_bits, c.block)
     dense = sum(s(n) for _, n in red.dense)
     if not red.matrices:
         return wire.HEADER_BYTES + dense

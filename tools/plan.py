@@ -28,6 +28,9 @@ PLANNED_OUTER = ("clusters", "local_steps", "sync_mode", "overlap_steps", "offlo
 PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback",
                        "keep_unsent")
 """The DiLoCoX and compression settings the plan depends on (their pretrain_gpt.py flags)."""
+PLANNED_DEFAULTS = {**flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER),
+                    **flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION)}
+"""Their values when neither the command line, a preset nor a launch gives them, by flag dest."""
 
 PAPER_RATIO = 357.0
 """DiLoCoX paper (arXiv 2506.21263): 107B over 1 Gbps, 357x faster than vanilla AllReduce."""
@@ -123,8 +126,7 @@ DEFAULTS = dict(
     position_embedding_type="learned_absolute", normalization="LayerNorm", make_vocab_size_divisible_by=128,
     swiglu=False, disable_bias_linear=False, untie_embeddings_and_output_weights=False,
     use_distributed_optimizer=False, bf16=False,
-    **flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER),
-    **flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
+    **PLANNED_DEFAULTS,
     gpu_memory_gib=80.0, gpu_tflops=400.0, intra_bandwidth_gbps=400.0, tp_bandwidth_gbps=3600.0,
     inter_bandwidth_gbps=1.0, inter_link="shared", cpu_cores=0, cpu_gflops=(0.0, 0.0), cpu_elementwise_ns=0.0,
 )
@@ -134,8 +136,7 @@ LAUNCH_KEYS = (
     "make_vocab_size_divisible_by", "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "global_batch_size",
     "use_distributed_optimizer", "bf16", "recompute_granularity",
-    *flags.defaults(DiLoCoXConfig, "dilocox", PLANNED_OUTER),
-    *flags.defaults(CompressionConfig, "dilocox", PLANNED_COMPRESSION),
+    *PLANNED_DEFAULTS,
 )
 """What a pretrain_gpt.py launch decides for the plan (same flag names on both sides)."""
 

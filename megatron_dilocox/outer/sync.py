@@ -316,7 +316,7 @@ class OuterSync:
         owed = self.flush() if self.flush is not None else None
         if owed is not None:
             sent, start = self.counter.bytes, time.perf_counter()
-            (mean,) = allreduce_mean([owed.clone()], self.group, self.counter)
+            (mean,) = allreduce_mean([owed], self.group, self.counter)  # in place: owed is the mean now
             (finite,) = self.agree([all_finite(mean)])
             skipped = not self._apply(mean, finite) or skipped
             owed.zero_()  # sent: a checkpoint saved after this must not send it again

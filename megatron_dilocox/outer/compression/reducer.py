@@ -88,11 +88,8 @@ class CompressedReducer:
             raise ValueError("--dilocox-compression none sends the fp32 mean (outer.sync.allreduce_mean); "
                              "CompressedReducer needs a codec")
         self.shapes = [torch.Size(s) for s in shapes]
-        self.codec, self.bits, self.rank, self.block = codec, config.bits, config.rank, config.block
-        self.error_feedback, self.ef_decay = config.error_feedback, config.ef_decay
+        self.config = config
         self.counter, self.seed = counter, seed
-        self.adaptive, self.min_rank, self.energy = config.adaptive, config.min_rank, config.rank_energy
-        self.chunk, self.density = config.topk_chunk, config.topk_density
         self.payload_bits = config.bits if codec in QUANT_BITS else 32
         self.numel = sum(s.numel() for s in self.shapes)
 
@@ -100,7 +97,7 @@ class CompressedReducer:
         self.dense: list[tuple[int, int]] = []  # (offset, numel) of the dense tensors
         offset = 0
         for i, s in enumerate(self.shapes):
-            low = lowrank_shape(s, self.rank) if codec.startswith("lowrank") else None
+            low = lowrank_shape(s, self.config.rank) if codec.startswith("lowrank") else None
             if low:
                 self.matrices.append(_Matrix(i, offset, *low))
             elif s.numel():
@@ -147,7 +144,7 @@ class CompressedReducer:
             self._handshake()
 
         with self._timed("encode"):
-            if self.error_feedback:
+            if self.config.error_feedback:
                 if self.residual is None:
                     self.residual = torch.zeros_like(delta)
                 self.residual = self.residual.to(delta.device)  # a no-op unless just loaded
@@ -161,20 +158,20 @@ class CompressedReducer:
 
         with self._timed("encode"):
             # What compression dropped this round (the next residual under error feedback).
-            dropped = torch.sub(x, own, out=self.residual if self.error_feedback else None)
+            dropped = torch.sub(x, own, out=self.residual if self.config.error_feedback else None)
             err = torch.linalg.vector_norm(dropped).item()
             norm = torch.linalg.vector_norm(x).item()
             residual_ratio = 0.0
-            if self.error_feedback:
+            if self.config.error_feedback:
                 if not math.isfinite(err):
                     self.residual.zero_()  # a non-finite round is skipped by all; drop it here too
                 else:
-                    if self.ef_decay != 1.0:
-                        self.residual.mul_(self.ef_decay)
+                    if self.config.ef_decay != 1.0:
+                        self.residual.mul_(self.config.ef_decay)
                     dn = torch.linalg.vector_norm(delta).item()
-                    residual_ratio = self.ef_decay * err / dn if dn else 0.0
+                    residual_ratio = self.config.ef_decay * err / dn if dn else 0.0
         self.last_stats = dict(
-            round=self.round, codec=self.codec, dense_bytes=4 * self.numel,
+            round=self.round, codec=self.config.codec, dense_bytes=4 * self.numel,
             payload_bytes=self._payload, sent_bytes=self._sent,
             ratio=4 * self.numel / self._payload if self._payload else math.inf,
             rel_error=err / norm if norm else 0.0, ranks=ranks_used,
@@ -199,10 +196,10 @@ class CompressedReducer:
         """(mean, own decoded) when every tensor is dense: the parts, in order, tile ``x``."""
         numels = [n for _, n in self.dense]
         with self._timed("encode"):
-            if self.codec == "topk":
-                codec = topk.TopKCodec(numels, self.bits, self.chunk, self.density)
+            if self.config.codec == "topk":
+                codec = topk.TopKCodec(numels, self.config.bits, self.config.topk_chunk, self.config.topk_density)
             else:
-                codec = SegmentCodec(numels, self.payload_bits, self.block)
+                codec = SegmentCodec(numels, self.payload_bits, self.config.block)
             body = codec.encode(self._dense_parts(x))
         total, mine = self._exchange("dense", codec, body)
         with self._timed("decode"):
@@ -219,7 +216,7 @@ class CompressedReducer:
                 self._q[i] = q  # first round: seeded random starts, the same on every rank
             qs = [q.to(x.device) for q in self._q]
             ps = [m @ q for m, q in zip(mats, qs)]
-            codec = SegmentCodec([p.numel() for p in ps] + dense_numels, self.payload_bits, self.block)
+            codec = SegmentCodec([p.numel() for p in ps] + dense_numels, self.payload_bits, self.config.block)
             body = codec.encode(ps + self._dense_parts(x))
         total, mine = self._exchange("P", codec, body)
 
@@ -232,7 +229,7 @@ class CompressedReducer:
 
         with self._timed("encode"):
             qs_local = [m.T @ p for m, p in zip(mats, p_hat)]
-            codec = SegmentCodec([q.numel() for q in qs_local], self.payload_bits, self.block)
+            codec = SegmentCodec([q.numel() for q in qs_local], self.payload_bits, self.config.block)
             body = codec.encode(qs_local)
         total, mine = self._exchange("Q", codec, body)
 
@@ -251,11 +248,11 @@ class CompressedReducer:
     def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[int, torch.Tensor, list[int], int]:
         """Next round's rank of matrix i and the columns of this round's Q to start it from."""
         r = self.ranks[i]
-        if not self.adaptive:
+        if not self.config.adaptive:
             return i, q_mean, list(range(r)), r
         new, keep, self._outside[i] = lowrank.choose_rank(
-            lowrank.column_energy(q_mean), r, min(self.min_rank, self.matrices[i].max_rank),
-            self.matrices[i].max_rank, self.energy, self._outside[i])
+            lowrank.column_energy(q_mean), r, min(self.config.min_rank, self.matrices[i].max_rank),
+            self.matrices[i].max_rank, self.config.rank_energy, self._outside[i])
         self.ranks[i] = new
         return i, q_mean, keep, new
 
@@ -287,7 +284,7 @@ class CompressedReducer:
     def _exchange(self, stage: str, codec: SegmentCodec | topk.TopKCodec, body: torch.Tensor):
         """All-gathers this rank's framed ``body``; returns (sum in cluster order, own decoded)."""
         with self._timed("encode"):
-            header = wire.Header(self.codec, self.payload_bits, stage, self.round, self._me,
+            header = wire.Header(self.config.codec, self.payload_bits, stage, self.round, self._me,
                                  wire.layout_digest(stage, *codec.layout), codec.nbytes)
             payload = wire.frame(body, header)
         with self._timed("comm"):
@@ -320,13 +317,14 @@ class CompressedReducer:
             rows = comm.all_gather_bytes(torch.frombuffer(bytearray(digest), dtype=torch.uint8),
                                          self._group, self.counter)
             self._sent += len(digest)
+            c = self.config
             for k in range(self._clusters):
                 if rows[k].numpy().tobytes() != digest:
                     raise ValueError(
                         f"outer round {self.round}: cluster {k} runs different compression settings or "
-                        f"state than cluster {self._me} (this one: codec {self.codec}, bits {self.bits}, "
-                        f"rank {self.rank}, block {self.block}, adaptive {self.adaptive}, ranks "
-                        f"{self.ranks}, topk chunk {self.chunk}, density {self.density}); all clusters "
+                        f"state than cluster {self._me} (this one: codec {c.codec}, bits {c.bits}, rank {c.rank}, "
+                        f"block {c.block}, adaptive {c.adaptive}, ranks {self.ranks}, topk chunk {c.topk_chunk}, "
+                        f"density {c.topk_density}); all clusters "
                         "need the same compression flags and must resume "
                         "from the same checkpoint"
                     )
@@ -339,9 +337,10 @@ class CompressedReducer:
 
     def _setup(self) -> tuple:
         # topk's settings only for topk, so checkpoints of the other codecs keep loading.
-        extra = (self.chunk, self.density) if self.codec == "topk" else ()
-        return (_STATE_VERSION, self.codec, self.payload_bits, self.block, self.rank, self.min_rank,
-                self.adaptive, self.energy, self.seed, tuple(tuple(s) for s in self.shapes)) + extra
+        c = self.config
+        extra = (c.topk_chunk, c.topk_density) if c.codec == "topk" else ()
+        return (_STATE_VERSION, c.codec, self.payload_bits, c.block, c.rank, c.min_rank,
+                c.adaptive, c.rank_energy, self.seed, tuple(tuple(s) for s in self.shapes)) + extra
 
     def state_dict(self) -> dict[str, Any]:
         """Round counter, warm-start factors, ranks and the error-feedback residual.
