@@ -3,6 +3,7 @@
 # validation set (tools/convergence_study.py; tables and reading in docs/convergence.md).
 #   bash examples/benchmark/convergence.sh                 # STUDY=defaults: the acceptance comparison
 #   STUDY=pilot SEEDS=1 ITERS=700 bash examples/benchmark/convergence.sh
+#   STUDY=levers SEEDS=1 bash examples/benchmark/convergence.sh  # single settings changed from the defaults
 #   STUDY=batch GBS=64 SEEDS=1 ITERS=350 OUT=runs/convergence/pilot-gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT.
 set -euo pipefail
@@ -14,7 +15,7 @@ STUDY=${STUDY:-defaults}
 # later study on documents in a seeded order, so that the split is a uniform sample (docs/data.md).
 if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
-OUT=${OUT:-runs/convergence/$STUDY}
+OUT=${OUT:-runs/convergence/${STUDY/levers/defaults}}
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -83,6 +84,13 @@ case "$STUDY" in
     METHODS=("${AR[@]}" --method "DiLoCoX defaults=$DLX"
              --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
              --compare "sync fp32") ;;
+  levers)  # one seed each, beside the defaults study's runs (OUT defaults to its folder)
+    METHODS=("${AR[@]}" --method "DiLoCoX defaults=$DLX"
+             --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
+             --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
+             --method "DiLoCoX defaults 4-bit=$DLX --dilocox-quant-bits 4"
+             --method "delay fp32=$DLX --dilocox-compression none"
+             --compare "sync fp32") ;;
   batch)  # the defaults and blocking DiLoCo at another global batch, e.g. GBS=64 OUT=runs/convergence/pilot-gbs64
     INNER="--lr 4e-3 --min-lr 4e-4"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -90,7 +98,7 @@ case "$STUDY" in
              --method "DiLoCoX defaults=$DLX $INNER"
              --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none $INNER"
              --compare "sync fp32") ;;
-  *) echo "STUDY must be pilot, defaults or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
