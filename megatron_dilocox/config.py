@@ -10,6 +10,10 @@ CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
 QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
 ALL_QUANT_BITS = tuple(sorted({b for bits in QUANT_BITS.values() for b in bits}, reverse=True))
+FLUSH_BITS = 8
+"""Bits per entry of the final flush of the error-feedback residual (``--dilocox-flush-residual``):
+blockwise absmax int8, an error of at most 1/254 of a block's largest entry, at about a quarter
+of the bytes of fp32."""
 
 
 DEFAULT_OVERLAP_STEPS = 1
@@ -225,13 +229,13 @@ class CompressionConfig:
     (docs/convergence.md); alone it was -1.2% and +0.3%, the final weights lacking the residual."""
 
     flush_residual: bool | None = None
-    """At the end of training, send what error feedback still holds, dense fp32, as one last
-    outer step, so that the final model has every replica's progress (default: on with error
-    feedback).
+    """At the end of training, send what error feedback still holds, every entry at
+    :data:`FLUSH_BITS` bits (blocks of ``--dilocox-quant-block``), as one last outer step, so
+    that the final model has every replica's progress (default: on with error feedback).
 
-    That one round costs the bytes of an uncompressed one, so a run of R rounds sends about
-    R / ratio + 1 dense rounds in all. Without it the final global weights lack the residual:
-    several rounds' worth of the replicas' smaller entries, sent late or (decayed) never."""
+    That one round costs about a quarter of an uncompressed fp32 round, so a run of R rounds
+    sends about R / ratio + 1/4 dense rounds in all. Without it the final global weights lack the
+    residual: several rounds' worth of the replicas' smaller entries, sent late or (decayed) never."""
 
     def __post_init__(self):
         if self.bits is None:  # 8, topk 2 (see the field)
@@ -243,6 +247,10 @@ class CompressionConfig:
             self.keep_unsent = residual
         if self.flush_residual is None:
             self.flush_residual = residual
+
+    def flush_config(self) -> "CompressionConfig":
+        """How :attr:`flush_residual` sends the residual: every entry, blockwise quantized."""
+        return CompressionConfig(codec="quantize", bits=FLUSH_BITS, block=self.block)
 
     def validate(self) -> None:
         """Raises ValueError with a one-line message naming the offending flag."""

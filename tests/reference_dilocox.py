@@ -18,7 +18,7 @@ from megatron_dilocox.arguments import compression_config, dilocox_config, padde
 from megatron_dilocox.data.tokenizer import build_tokenizer
 from megatron_dilocox.megatron_state import main_params
 from megatron_dilocox.outer.compression import CompressedReducer
-from megatron_dilocox.outer.reference import ReferenceDiLoCo
+from megatron_dilocox.outer.reference import ReferenceDiLoCo, quantized_arrival
 from megatron_dilocox.platform import cpu
 from megatron_dilocox.topology import build_topology, init_distributed
 from megatron_dilocox.training.data import MicroBatches, build_datasets
@@ -62,8 +62,12 @@ def run(spec, out):
     compressors = None  # one per replica, as each cluster's rank holds one (TP1/PP1 runs only)
     if comp.codec != "none":
         compressors = [CompressedReducer([p.shape for p in params[0]], comp, seed=args.seed) for _ in range(clusters)]
+    flush = None
+    if comp.flush_residual:
+        sent = comp.flush_config()
+        flush = quantized_arrival([p.numel() for p in params[0]], sent.bits, sent.block)
     ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov,
-                          compressors, comp.keep_unsent, comp.flush_residual)
+                          compressors, comp.keep_unsent, flush)
     for iteration in range(1, args.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)

@@ -102,6 +102,7 @@ def run(spec, out):
     if trainer.dilocox is not None:
         info["param_numel"] = sum(p.numel() for p in trainer.dilocox.params)
         info["outer_numel"] = sum(p.numel() for p in trainer.dilocox.outer_params)
+        info["outer_numels"] = [p.numel() for p in trainer.dilocox.outer_params]
         if "inject_nan" in spec:
             _inject_nan(trainer, spec["inject_nan"])
         _checked_rounds(trainer, info)

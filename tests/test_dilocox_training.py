@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from expected_bytes import int8_flush_bytes
 from launch import REPO, read_jsonl, torchrun
 from megatron_dilocox.payload import HEADER_BYTES, topk_bytes
 
@@ -111,14 +112,15 @@ def test_eager_at_boundary_matches_reference(runs):
 
 def test_keep_unsent_and_flush_on_the_real_model_match_reference(runs):
     """--dilocox-keep-unsent --dilocox-flush-residual with topk: the replicas restart from base
-    less their residuals and the end sends those densely, as the reference with one compressor
-    per replica does; the last record counts the drained round plus the fp32 flush."""
+    less their residuals and the end sends every entry of those, int8, as the reference with one
+    compressor per replica does; the last record counts the drained round plus the flush."""
     _assert_matches_reference(runs, "topk_c4_unsent_flush", "topk_c4_unsent_flush", "topk_c4", cluster_size=1)
     infos = [json.loads((runs / f"topk_c4_unsent_flush.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == ITERS // H for info in infos)
     numel = infos[0]["outer_numel"]
     last = [r for r in read_jsonl(runs / "topk_c4_unsent_flush.metrics.jsonl") if "outer_step" in r][-1]
-    assert last["drain"] and last["bytes_sent"] == HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2) + 4 * numel
+    assert last["drain"] and last["bytes_sent"] == (HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2)
+                                                    + int8_flush_bytes(infos[0]["outer_numels"]))
 
 
 def _assert_matches_reference(runs, name, reference, other_reference, cluster_size=2):
@@ -189,22 +191,23 @@ def test_compressed_rounds(runs):
         assert r["dense_bytes"] == dense
         assert 0 < r["rel_error"] < 1 and 1 <= r["mean_rank"] <= 4
     # Error feedback is on, so keep-unsent and the final flush are too: the drained last round
-    # also sends the residual, fp32.
+    # also sends the residual, int8.
     *steady, drained = applied
     assert all(r["bytes_sent"] < dense / 4 and r["compression_ratio"] > 4 for r in steady)
-    assert drained["drain"] and dense < drained["bytes_sent"] < dense + dense / 4
+    drained_round = drained["bytes_sent"] - int8_flush_bytes(infos[3]["outer_numels"])
+    assert drained["drain"] and 0 < drained_round < dense / 4
 
 
 def test_topk_rounds(runs):
     """topk (error feedback, keep-unsent and the final flush on by default): clusters agree bit for
     bit after every round, and each round sends the format's bytes for the last stage's shard (plus
-    the handshake, once); the drained last round also sends the residual, fp32."""
+    the handshake, once); the drained last round also sends the residual, int8."""
     infos = [json.loads((runs / f"topk.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == ITERS // H for info in infos)
     applied = [r for r in read_jsonl(runs / "topk.metrics.jsonl") if "outer_step" in r and r["bytes_sent"]]
     numel = infos[3]["outer_numel"]
     payload = HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2)
-    assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 2) + [payload + 4 * numel]
+    assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 2) + [payload + int8_flush_bytes(infos[3]["outer_numels"])]
     for r in applied:
         assert r["compression_ratio"] == 4 * infos[3]["outer_numel"] / payload > 50
         assert 0 < r["rel_error"] < 1 and r["residual_ratio"] > 0

@@ -17,9 +17,10 @@ import torch
 
 from megatron_dilocox.config import DEFAULT_OVERLAP_STEPS, CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.outer.compression import CompressedReducer
-from megatron_dilocox.outer.reference import ReferenceDiLoCo
+from megatron_dilocox.outer.reference import ReferenceDiLoCo, quantized_arrival
 from megatron_dilocox.outer.sync import ByteCounter, OuterSync, all_finite, allreduce_mean
 from megatron_dilocox.payload import HEADER_BYTES, topk_bytes
+from expected_bytes import int8_flush_bytes
 from launch import run_forked
 
 MODES = ("sync", "delay", "eager", "delay-naive")
@@ -62,15 +63,17 @@ def config(mode, clusters=2, **kwargs):
 
 
 def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, compress=False, keep_unsent=False,
-                  flush=False, steps_out=None):
+                  flush=None, steps_out=None):
     """``landing``: the previous round's average is applied this many inner steps into a round;
     ``compress``: every replica compresses with ``topk_reducer()``; ``keep_unsent``: and keeps
-    its unsent progress; ``flush``: the residuals are sent at the end; ``steps_out``: gets each
-    boundary's replica digests."""
+    its unsent progress; ``flush``: the residuals are sent at the end, fp32 (32) or int8 (8);
+    ``steps_out``: gets each boundary's replica digests."""
     replicas = [toy_init() for _ in range(clusters)]
     compressors = [topk_reducer() for _ in range(clusters)] if compress else None
+    arrival = {None: None, 32: lambda residual: residual,
+               8: quantized_arrival([math.prod(s) for s in SHAPES], 8, 16)}[flush]
     ref = ReferenceDiLoCo(replicas[0], clusters, mode, OUTER["outer_lr"], OUTER["outer_momentum"], OUTER["nesterov"],
-                          compressors, keep_unsent, flush)
+                          compressors, keep_unsent, arrival)
     base_digests = []
     for r in range(rounds):
         steps = H
@@ -89,10 +92,18 @@ def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, compress=False,
     return replicas, base_digests
 
 
+# Top-k that drops most of each round (so the residual matters), error feedback on; block 16
+# is the final flush's quantization block (several blocks per tensor, the last ones padded).
+TOPK = CompressionConfig(codec="topk", bits=2, topk_chunk=64, topk_density=0.1, block=16)
+
+
 def topk_reducer(counter=None):
-    """A top-k reducer that drops most of each round (so the residual matters), error feedback on."""
-    return CompressedReducer(SHAPES, CompressionConfig(codec="topk", bits=2, topk_chunk=64, topk_density=0.1),
-                             counter=counter)
+    return CompressedReducer(SHAPES, TOPK, counter=counter)
+
+
+def flush_reducer(counter):
+    """The product's final flush: every entry int8, blocks of 16."""
+    return CompressedReducer(SHAPES, TOPK.flush_config(), counter=counter)
 
 
 # -- worker scenarios (run inside each of the two gloo processes) ------------------------------
@@ -162,23 +173,26 @@ def scenario_landing(rank, group):
 
 
 UNSENT_CASES = {"sync": ("sync", None), "delay": ("delay", None), "delay-land": ("delay", LANDING)}
-FLUSH_CASES = {"sync": ("sync", None, False), "delay-land": ("delay", LANDING, False),
-               "delay-land-keep-unsent": ("delay", LANDING, True)}
+# name: (mode, landing, keep unsent, flush bits: 32 OuterSync's default fp32 mean, 8 the product's)
+FLUSH_CASES = {"sync": ("sync", None, False, 8), "delay-land": ("delay", LANDING, False, 8),
+               "delay-land-keep-unsent": ("delay", LANDING, True, 8),
+               "delay-land-keep-unsent-fp32": ("delay", LANDING, True, 32)}
 
 
 def scenario_unsent(rank, group, flush=False):
     """--dilocox-keep-unsent with a top-k reducer: base and the replica after every boundary.
     ``flush``: the FLUSH_CASES instead, the residual sent at the end (--dilocox-flush-residual)."""
     out = {}
-    cases = FLUSH_CASES if flush else {name: (*case, True) for name, case in UNSENT_CASES.items()}
-    for name, (mode, landing, keep) in cases.items():
+    cases = FLUSH_CASES if flush else {name: (*case, True, None) for name, case in UNSENT_CASES.items()}
+    for name, (mode, landing, keep, bits) in cases.items():
         params, data = toy_init(), toy_data(rank)
         counter = ByteCounter()
         red = topk_reducer(counter)
         landing_flag = {} if mode == "sync" else dict(overlap_steps=landing or H)
         residual = lambda red=red: red.residual  # noqa: E731
         sync = OuterSync(params, group, config(mode, **landing_flag), red, counter,
-                         unsent=residual if keep else None, flush=residual if flush else None)
+                         unsent=residual if keep else None, flush=residual if flush else None,
+                         flush_reducer=flush_reducer(counter) if bits == 8 else None)
         rounds = []
         for r in range(ROUNDS):
             if landing and r:
@@ -352,19 +366,26 @@ def test_keep_unsent_matches_reference(ranks, name):
 
 @pytest.mark.parametrize("name", list(FLUSH_CASES))
 def test_flush_residual_matches_reference(ranks, name):
-    """--dilocox-flush-residual: finish sends both clusters' residuals dense and applies their
-    mean, bit for bit as the reference; the final weights then differ from not flushing, the
-    residual is zero afterwards, and that last round sends the fp32 residual (4 bytes each)."""
-    mode, landing, keep = FLUSH_CASES[name]
-    replicas, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep, flush=True)
+    """--dilocox-flush-residual: finish sends both clusters' residuals, every entry (int8 as
+    the product does, or fp32), and applies their mean, bit for bit as the reference; the final
+    weights then differ from not flushing and (int8) from an fp32 flush, the residual is zero
+    afterwards, and that last round's bytes are the drained round's plus the flush's."""
+    mode, landing, keep, bits = FLUSH_CASES[name]
+    replicas, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep, flush=bits)
     unflushed, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep)
+    fp32, _ = run_reference(mode, landing=landing, compress=True, keep_unsent=keep, flush=32)
     drained = 0 if mode == "sync" else TOPK_PAYLOAD
+    flushed = int8_flush_bytes([math.prod(s) for s in SHAPES], 16) if bits == 8 else 4 * sum(math.prod(s) for s in SHAPES)
     for k in range(2):
         res = ranks[k]["flush"][name]
         assert all(torch.equal(p, q) for p, q in zip(res["params"], replicas[k]))
         assert not all(torch.equal(p, q) for p, q in zip(res["params"], unflushed[k]))
+        if bits == 8:  # quantized, but only just: within 1/254 of a block's largest entry per entry
+            assert not all(torch.equal(p, q) for p, q in zip(res["params"], fp32[k]))
+            assert all(torch.allclose(p, q, atol=float(res["owed"].abs().max()) / 254 * OUTER["outer_lr"] * 3)
+                       for p, q in zip(res["params"], fp32[k]))
         assert bool((res["owed"] != 0).any()) and not bool(res["residual"].any())
-        assert res["finish"]["bytes_sent"] == drained + 4 * res["owed"].numel()
+        assert res["finish"]["bytes_sent"] == drained + flushed
 
 
 def test_landing_resumes_exactly(ranks):

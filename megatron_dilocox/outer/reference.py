@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dilocox.outer.compression import quantize as qz
+
+
+def quantized_arrival(numels, bits, block):
+    """``flush`` for :class:`ReferenceDiLoCo`: a flat residual as it arrives when each of its
+    tensors (``numels`` elements each, in order) is sent blockwise quantized on its own."""
+    def arrive(flat):
+        return torch.cat([qz.dequantize(qz.quantize(part.contiguous(), bits, block))
+                          for part in flat.split(list(numels))])
+    return arrive
+
 
 class ReferenceDiLoCo:
     """C model replicas sharing one outer optimizer.
@@ -21,11 +32,13 @@ class ReferenceDiLoCo:
             None) -> [decoded]``, error feedback inside it, its ``residual`` read after each
             call); the mean is then of the replicas' decoded pseudo-gradients. None: exact mean.
         keep_unsent: a replica restarts from ``base`` less its compressor's residual.
-        flush: :meth:`finish` applies the mean of the compressors' residuals as one more outer step.
+        flush: ``flush(residual) -> decoded``, how a compressor's flat residual arrives (for
+            example quantized and decoded); given, :meth:`finish` applies the mean of the
+            arrived residuals as one more outer step.
     """
 
     def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False,
-                 flush=False):
+                 flush=None):
         assert mode in ("sync", "delay", "eager", "delay-naive")
         assert not (keep_unsent or flush) or compressors, "keep_unsent and flush need compressors"
         self.mode, self.clusters = mode, clusters
@@ -77,8 +90,8 @@ class ReferenceDiLoCo:
         if self.pending is not None:
             self._apply(self.pending)
             self.pending = None
-        if self.flush:
-            owed = [c.residual.split([b.numel() for b in self.base]) for c in self.compressors]
+        if self.flush is not None:
+            owed = [self.flush(c.residual).split([b.numel() for b in self.base]) for c in self.compressors]
             self._apply(self._mean([[e.view_as(b) for e, b in zip(ek, self.base)] for ek in owed], dense=True))
             for c in self.compressors:
                 c.residual.zero_()
@@ -95,7 +108,7 @@ class ReferenceDiLoCo:
     def _mean(self, deltas, dense=False):
         # Sum in cluster order, then divide. Bitwise equal to allreduce + div for C == 2; for
         # C > 2 a ring allreduce may add in another order (compare with a tolerance). ``dense``:
-        # of the exact deltas even with compressors (the flush sends fp32).
+        # of the given deltas as they are, even with compressors (the flush's arrived residuals).
         if self.compressors and not dense:  # each replica's decoded payload, as every rank decodes them all
             deltas = [comp([torch.cat([d.reshape(-1) for d in dk])], None)[0].split([b.numel() for b in self.base])
                       for comp, dk in zip(self.compressors, deltas)]

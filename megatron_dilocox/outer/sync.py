@@ -183,7 +183,9 @@ class OuterSync:
             reductions only. Given, a replica restarts from ``base - unsent()`` instead of
             ``base``: it keeps its own unsent progress while error feedback sends it.
         flush: ``flush() -> tensor | None``: the same residual, for :meth:`finish` to send
-            densely as one last outer step (and then zero).
+            as one last outer step (and then zero).
+        flush_reducer: how :meth:`finish` reduces flush's residual (same contract as
+            ``reducer``); None: the dense fp32 mean.
     """
 
     def __init__(
@@ -196,6 +198,7 @@ class OuterSync:
         agree: Agree | None = None,
         unsent: Callable[[], torch.Tensor | None] | None = None,
         flush: Callable[[], torch.Tensor | None] | None = None,
+        flush_reducer: Reducer | None = None,
     ):
         config.validate()
         self.params = list(params)
@@ -217,6 +220,7 @@ class OuterSync:
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)
         self.agree = agree or (lambda flags: flags)
         self.unsent, self.flush = unsent, flush
+        self.flush_reducer = flush_reducer or functools.partial(allreduce_mean, counter=self.counter)
         with torch.no_grad():
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
@@ -316,7 +320,7 @@ class OuterSync:
         owed = self.flush() if self.flush is not None else None
         if owed is not None:
             sent, start = self.counter.bytes, time.perf_counter()
-            (mean,) = allreduce_mean([owed], self.group, self.counter)  # in place: owed is the mean now
+            (mean,) = self.flush_reducer([owed], self.group)  # the default reduces in place
             (finite,) = self.agree([all_finite(mean)])
             skipped = not self._apply(mean, finite) or skipped
             owed.zero_()  # sent: a checkpoint saved after this must not send it again

@@ -59,10 +59,15 @@ class DiLoCoX:
         if config.emulated_delay_s > 0:
             reduce = _delayed(reduce, config.emulated_delay_s)
         residual = lambda: self.compressor.residual  # noqa: E731
+        flush_reducer = None
+        if compression.flush_residual:
+            flush_reducer = CompressedReducer([p.shape for p in self.outer_params], compression.flush_config(),
+                                              counter=self.counter, seed=seed)
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
                               counter=self.counter, agree=self._agree,
                               unsent=residual if compression.keep_unsent else None,
-                              flush=residual if compression.flush_residual else None)
+                              flush=residual if compression.flush_residual else None,
+                              flush_reducer=flush_reducer)
         self._round_start_time = time.perf_counter()
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
