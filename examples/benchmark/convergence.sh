@@ -89,6 +89,8 @@ case "$STUDY" in
              --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
              --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
              --method "DiLoCoX defaults 4-bit=$DLX --dilocox-quant-bits 4"
+             --method "DiLoCoX defaults inner 8e-3=$DLX --lr 8e-3 --min-lr 8e-4"
+             --method "sync fp32 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --lr 4e-3 --min-lr 4e-4"
              --method "delay fp32=$DLX --dilocox-compression none"
              --compare "sync fp32") ;;
   batch)  # the defaults and blocking DiLoCo at another global batch, e.g. GBS=64 OUT=runs/convergence/pilot-gbs64
