@@ -61,7 +61,7 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     before = _namespaces()
     proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
                            "--local-steps", "5", "--overlap-mode", "eager", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
-                           "--methods", "compute-only,dilocox-delay-compressed,dilocox-sync,allreduce",
+                           "--methods", "compute-only,dilocox-overlap-compressed,dilocox-sync,allreduce",
                            "--shaped-iters", "dilocox-sync=15",
                            "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -70,7 +70,7 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     assert "iteration 20/20" in proc.stdout  # progress while it runs
     result = json.loads((out / "results.json").read_text())
     by = {r["method"]: r for r in result["methods"]}
-    assert [r["method"] for r in result["methods"]] == ["allreduce", "dilocox-sync", "dilocox-delay-compressed",
+    assert [r["method"] for r in result["methods"]] == ["allreduce", "dilocox-sync", "dilocox-overlap-compressed",
                                                         "compute-only"]
     sync = by["dilocox-sync"]
     assert sync["kind"] == "projected (15 shaped its)" and sync["shaped_window"]["last_iteration"] == 15
@@ -79,9 +79,9 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
         assert r["wall_s"] > r["train_s"] and r["tokens_per_s_wall"] < r["tokens_per_s"], r
     assert result["table"] in proc.stdout
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "loss_vs_bytes.png").stat().st_size > 0
-    ar, dlx, alone = by["allreduce"], by["dilocox-delay-compressed"], by["compute-only"]
+    ar, dlx, alone = by["allreduce"], by["dilocox-overlap-compressed"], by["compute-only"]
     assert dlx["label"] == "DiLoCoX eager+comp" and result["setup"]["overlap_mode"] == "eager"
-    assert all("--dilocox-sync-mode eager" in c for c in result["commands"]["dilocox-delay-compressed"])
+    assert all("--dilocox-sync-mode eager" in c for c in result["commands"]["dilocox-overlap-compressed"])
     assert ar["tokens"] == dlx["tokens"] == alone["tokens"] == 20 * 8 * 64
     assert ar["speedup_vs_allreduce"] == 1.0 and alone["fraction_of_compute_only"] == 1.0
     assert [p["iteration"] for p in ar["curve"]] == [10, 20] == [p["iteration"] for p in alone["curve"]]

@@ -7,11 +7,13 @@ Needs root: it creates one network namespace per cluster with tools/wan, shapes 
 uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or error). Methods:
 
 - ``allreduce``: vanilla megatron, gradients reduced across all clusters every step;
-- ``dilocox-sync``, ``dilocox-delay``: DiLoCoX without compression, blocking / one-step delay
-  (the overlapped methods use ``--overlap-mode``: ``delay`` or ``eager``, see outer/sync.py);
-- ``dilocox-delay-compressed``: delay with compressed pseudo-gradients (``--compression-args``,
-  default: the product's default codec and its settings, ``pretrain_gpt.py --help``);
-- ``dilocox-delay-compressed-adaptive``: delay, low-rank + quantized with the adaptive rank
+- ``dilocox-sync``, ``dilocox-overlap``: DiLoCoX without compression, blocking / overlapped
+  (the overlapped methods, ``dilocox-overlap*``, run ``--overlap-mode``: ``delay`` or ``eager``,
+  see outer/sync.py);
+- ``dilocox-overlap-compressed``: overlapped with compressed pseudo-gradients
+  (``--compression-args``, default: the product's default codec and its settings,
+  ``pretrain_gpt.py --help``);
+- ``dilocox-overlap-compressed-adaptive``: overlapped, low-rank + quantized with the adaptive rank
   (``--dilocox-adaptive``);
 - ``compute-only``: each cluster trains alone as its own torchrun job (world = its ranks, its
   share of the global batch), all clusters at once: no cross-cluster exchange at all.
@@ -51,10 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 DILOCOX = ["--dilocox"]
 METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters); {overlap}: --overlap-mode
     "compute-only": ("compute-only", None),
-    "dilocox-delay-compressed": ("DiLoCoX {overlap}+comp", DILOCOX + ["--dilocox-sync-mode", "{overlap}"]),
-    "dilocox-delay-compressed-adaptive": ("DiLoCoX {overlap}+comp adapt.", DILOCOX + [
+    "dilocox-overlap-compressed": ("DiLoCoX {overlap}+comp", DILOCOX + ["--dilocox-sync-mode", "{overlap}"]),
+    "dilocox-overlap-compressed-adaptive": ("DiLoCoX {overlap}+comp adapt.", DILOCOX + [
         "--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "lowrank-quantize", "--dilocox-adaptive"]),
-    "dilocox-delay": ("DiLoCoX {overlap}", DILOCOX + ["--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "none"]),
+    "dilocox-overlap": ("DiLoCoX {overlap}", DILOCOX + ["--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "none"]),
     "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
     "allreduce": ("AllReduce", []),
 }
@@ -77,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float,
                    help="--dilocox-outer-momentum (default: the product's); 0 = plain outer SGD, no Nesterov")
     p.add_argument("--overlap-mode", choices=("delay", "eager"), default="delay",
-                   help="--dilocox-sync-mode of the overlapped DiLoCoX methods (the dilocox-delay* rows)")
+                   help="--dilocox-sync-mode of the overlapped DiLoCoX methods (the dilocox-overlap* rows)")
     p.add_argument("--compression-args", default="",
-                   help="codec flags for dilocox-delay-compressed, e.g. --compression-args='--dilocox-compression "
+                   help="codec flags for dilocox-overlap-compressed, e.g. --compression-args='--dilocox-compression "
                         "quantize --dilocox-quant-bits 4' (default: the product's default codec)")
     p.add_argument("--shaped-iters", action="append", default=[], metavar="METHOD=N",
                    help="loss from a full unshaped run, throughput from N iterations over the shaped link")
@@ -177,7 +179,7 @@ class Bench:
                     flags += [flag, str(value)]
             if a.outer_momentum == 0:  # plain outer SGD: Nesterov needs momentum
                 flags += ["--dilocox-no-nesterov"]
-            if method == "dilocox-delay-compressed":
+            if method == "dilocox-overlap-compressed":
                 flags += self.cfg["compression"]
         return flags
 
@@ -405,8 +407,8 @@ def main(argv=None) -> int:
     finally:
         netns.down(args.prefix)
     setup["load_after"] = os.getloadavg()
-    order = {m: i for i, m in enumerate(["allreduce", "dilocox-sync", "dilocox-delay", "dilocox-delay-compressed",
-                                         "dilocox-delay-compressed-adaptive", "compute-only"])}
+    order = {m: i for i, m in enumerate(["allreduce", "dilocox-sync", "dilocox-overlap", "dilocox-overlap-compressed",
+                                         "dilocox-overlap-compressed-adaptive", "compute-only"])}
     results.sort(key=lambda r: order[r["method"]])
     add_ratios(results)
     text = table(results)

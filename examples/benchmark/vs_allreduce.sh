@@ -27,7 +27,7 @@ OUT=${OUT:-runs/bench_vs_allreduce/$RATE}
 # Methods whose full run over the link would take too long: loss from a full unshaped run,
 # tokens/s from this many iterations over the shaped link (the table marks them "projected").
 case "$RATE" in
-  10mbit) SHAPED=${SHAPED:-"allreduce=6 dilocox-sync=30 dilocox-delay=30"} ;;
+  10mbit) SHAPED=${SHAPED:-"allreduce=6 dilocox-sync=30 dilocox-overlap=30"} ;;
   *) SHAPED=${SHAPED:-"allreduce=20"} ;;
 esac
 
