@@ -81,7 +81,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
-from megatron_dilocox.payload import codec_bytes
+from megatron_dilocox.payload import HANDSHAKE_BYTES, codec_bytes
 
 GIB = 2**30
 
@@ -361,6 +361,9 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, 
         return out
 
     payload = [codec_bytes(shard(ts), comp) for ts in outer_stages]
+    # Once, at the end (--dilocox-flush-residual): the residual int8, after its own handshake.
+    flush = [codec_bytes(shard(ts), comp.flush_config()) + HANDSHAKE_BYTES if comp.flush_residual else 0
+             for ts in outer_stages]
     wire = (lambda x: 2 * (c - 1) / c * x) if comp.codec == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)
@@ -370,6 +373,7 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, 
     window = 0 if d.sync_mode == "sync" else min(d.landing or h_steps, h_steps) * step
     rnd = compute_round + max(0.0, exchange - window)  # training waits for what the window does not hide
     p.dilocox = dict(payload_per_rank=max(payload), payload_per_stage=payload,
+                     flush_per_rank=max(flush), flush_per_stage=flush,
                      sent_per_rank_per_round=max(sent), sent_per_stage=sent,
                      bytes_per_rank_per_step=max(sent) / h_steps, link_bytes_per_round=dl_link,
                      exchange=exchange, round_compute=compute_round, round=rnd,
@@ -475,7 +479,8 @@ def report(p: Plan, m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: Compress
         f"H {d.local_steps}, {d.sync_mode}{f', lands after {d.landing}' if d.landing else ''}): "
         f"payload {p.dilocox['payload_per_rank']:,} B per rank per round "
         f"(dense fp32 {p.dilocox['dense_bytes']:,} B), {_fmt_bytes(p.dilocox['bytes_per_rank_per_step'])} "
-        f"per rank per step",
+        f"per rank per step"
+        + (f"; final flush {p.dilocox['flush_per_rank']:,} B per rank, once" if comp.flush_residual else ""),
         f"  exchange {_fmt_s(p.dilocox['exchange'])} vs round compute {_fmt_s(p.dilocox['round_compute'])}"
         f"{f' (overlap window {min(d.landing, d.local_steps)} steps)' if d.landing else ''}"
         f" ({'hidden' if p.dilocox['hidden'] else 'NOT hidden'}) -> round {_fmt_s(p.dilocox['round'])}",
