@@ -362,8 +362,9 @@ def plan(m: ModelShape, lay: Layout, d: DiLoCoXConfig, comp: CompressionConfig, 
 
     payload = [codec_bytes(shard(ts), comp) for ts in outer_stages]
     # Once, at the end (--dilocox-flush-residual): the residual int8, after its own handshake.
-    flush = [codec_bytes(shard(ts), comp.flush_config()) + HANDSHAKE_BYTES if comp.flush_residual else 0
-             for ts in outer_stages]
+    flush = [0] * len(outer_stages)
+    if comp.flush_residual:
+        flush = [codec_bytes(shard(ts), comp.flush_config()) + HANDSHAKE_BYTES for ts in outer_stages]
     wire = (lambda x: 2 * (c - 1) / c * x) if comp.codec == "none" else (lambda x: (c - 1) * x)
     sent = [wire(x) for x in payload]
     dl_link = sum(sent) * tp * dp_in if ranks_on_link > 1 else max(sent)

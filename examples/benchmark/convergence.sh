@@ -15,7 +15,8 @@ STUDY=${STUDY:-defaults}
 # later study on documents in a seeded order, so that the split is a uniform sample (docs/data.md).
 if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
-OUT=${OUT:-runs/convergence/${STUDY/levers/defaults}}
+# The levers study adds its single-setting runs to the defaults study's folder and table.
+OUT=${OUT:-runs/convergence/$([ "$STUDY" = levers ] && echo defaults || echo "$STUDY")}
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -46,11 +47,16 @@ SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 
 # Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10.
 DLX="--dilocox --dilocox-local-steps 10"
 SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
+SYNC_FP32="$DLX --dilocox-sync-mode sync --dilocox-compression none"  # blocking DiLoCo, uncompressed
 # AllReduce at three learning rates. At 5 tokens per parameter 2e-3 beat 4e-3 (the pilot's best at
 # 2.5): the bracket is 1e-3, 2e-3, 4e-3. The pilot also ran 8e-3.
 AR=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
     --method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4"
     --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 1e-3")
+# The acceptance comparison: DiLoCoX at its best inner lr of 2e-3, 4e-3, 8e-3 (4e-3, seed 1;
+# AllReduce's best is 2e-3) against AllReduce and blocking DiLoCo.
+DEFAULTS=("${AR[@]}" --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
+          --method "sync fp32=$SYNC_FP32" --compare "sync fp32")
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -80,26 +86,19 @@ case "$STUDY" in
       --method "delay topk 2b SGD lr1 land 1 inner 4e-3 flush=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-flush-residual"
       --method "delay topk 2b SGD lr1 land 1 inner 4e-3 keep unsent flush=$DLX --dilocox-sync-mode delay $TOPK --dilocox-quant-bits 2 $SGD1 --dilocox-overlap-steps 1 $INNER4 --dilocox-keep-unsent --dilocox-flush-residual"
       --compare "sync fp32 SGD lr1") ;;
-  defaults)  # DiLoCoX at its best inner lr of 2e-3, 4e-3, 8e-3 (4e-3, seed 1; AllReduce's best is 2e-3)
-    METHODS=("${AR[@]}" --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
-             --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
-             --compare "sync fp32") ;;
-  levers)  # one seed each, beside the defaults study's runs (OUT defaults to its folder)
-    METHODS=("${AR[@]}" --method "DiLoCoX defaults=$DLX"
-             --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none"
-             --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
+  defaults) METHODS=("${DEFAULTS[@]}") ;;
+  levers)  # one seed each, beside the defaults study's runs
+    METHODS=("${DEFAULTS[@]}" --method "DiLoCoX defaults=$DLX"
              --method "DiLoCoX defaults 4-bit=$DLX --dilocox-quant-bits 4"
              --method "DiLoCoX defaults inner 8e-3=$DLX --lr 8e-3 --min-lr 8e-4"
-             --method "sync fp32 inner 4e-3=$DLX --dilocox-sync-mode sync --dilocox-compression none --lr 4e-3 --min-lr 4e-4"
-             --method "delay fp32=$DLX --dilocox-compression none"
-             --compare "sync fp32") ;;
+             --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4"
+             --method "delay fp32=$DLX --dilocox-compression none") ;;
   batch)  # the defaults and blocking DiLoCo at another global batch, e.g. GBS=64 OUT=runs/convergence/pilot-gbs64
     INNER="--lr 4e-3 --min-lr 4e-4"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
              --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 8e-3"
              --method "DiLoCoX defaults=$DLX $INNER"
-             --method "sync fp32=$DLX --dilocox-sync-mode sync --dilocox-compression none $INNER"
-             --compare "sync fp32") ;;
+             --method "sync fp32=$SYNC_FP32 $INNER" --compare "sync fp32") ;;
   *) echo "STUDY must be pilot, defaults, levers or batch, got $STUDY" >&2; exit 2 ;;
 esac
 

@@ -53,16 +53,15 @@ class DiLoCoX:
         self.counter = ByteCounter()
         self.compressor = None
         reduce = partial(allreduce_mean, counter=self.counter)
+        shapes = [p.shape for p in self.outer_params]
         if compression.codec != "none":
-            self.compressor = reduce = CompressedReducer([p.shape for p in self.outer_params], compression,
-                                                         counter=self.counter, seed=seed)
+            self.compressor = reduce = CompressedReducer(shapes, compression, counter=self.counter, seed=seed)
         if config.emulated_delay_s > 0:
             reduce = _delayed(reduce, config.emulated_delay_s)
         residual = lambda: self.compressor.residual  # noqa: E731
         flush_reducer = None
         if compression.flush_residual:
-            flush_reducer = CompressedReducer([p.shape for p in self.outer_params], compression.flush_config(),
-                                              counter=self.counter, seed=seed)
+            flush_reducer = CompressedReducer(shapes, compression.flush_config(), counter=self.counter, seed=seed)
         self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
                               counter=self.counter, agree=self._agree,
                               unsent=residual if compression.keep_unsent else None,
