@@ -2,7 +2,9 @@
 tiny study end to end (two real runs, then a resume that runs nothing)."""
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -110,6 +112,24 @@ def test_run_order_best_baseline_and_resume(tmp_path):
     ar["settings"]["dilocox_keep_unsent"] = "anything"
     ar_path.write_text(json.dumps(ar))
     assert _study(tmp_path, methods, ["AR lr1", "AR lr2"]).pending()[0] == ("AR lr1", 2)
+
+
+def test_processes_sharing_a_study_take_different_runs(tmp_path):
+    methods = {"AR": "", "DLX": "--dilocox", "sync": "--dilocox"}
+    first, second = (_study(tmp_path, methods, ["AR"]) for _ in range(2))
+    assert first.next_run() == ("AR", 1)
+    # Another process (here a live one: this test's parent) holds the first run: the second takes the next.
+    claim = first.folder("AR", 1) / "claim.json"
+    claim.write_text(json.dumps(dict(host=cs.socket.gethostname(), pid=os.getppid())))
+    assert second.next_run() == ("DLX", 1)
+    assert first.next_run() == ("sync", 1)
+    assert second.next_run() is None  # every pending run is held
+    # A claim whose process has died on this host is taken over.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claim.write_text(json.dumps(dict(host=cs.socket.gethostname(), pid=int(dead.stdout))))
+    assert second.next_run() == ("AR", 1)
+    second.release("AR", 1)
+    assert not claim.exists()
 
 
 def test_summary_gaps_and_spread(tmp_path):

@@ -19,6 +19,10 @@ all runs are measured on one fixed held-out set; its standard error is reported.
   an interrupted study already holds one full comparison.
 - **Resume:** each finished run leaves ``done.json`` in its folder; a rerun with the same ``--out``
   skips finished runs (a run whose command changed is an error) and restarts unfinished ones.
+- **Several processes, one study:** a process claims a run before making it (``claim.json`` in
+  the run's folder, holding its host and pid) and skips runs other live processes hold, so two
+  or more launches with the same ``--out`` share the study's runs (on more cores, or machines
+  sharing the folder); a claim whose process died on this host is taken over.
 - **Gap:** ``(method - baseline) / baseline`` of the mean final validation losses; ``> spread``
   says whether it exceeds the larger of the two methods' seed standard deviations.
 
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import sys
 import time
@@ -237,6 +242,35 @@ class Study:
     def finished(self, method: str) -> list[dict]:
         return [s for s in (self.done(method, seed) for seed in self.cfg["seeds"]) if s]
 
+    def claim(self, method: str, seed: int) -> bool:
+        """Takes the run for this process; False when another live process holds it."""
+        path = self.folder(method, seed) / "claim.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        me = dict(host=socket.gethostname(), pid=os.getpid())
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    holder = json.loads(path.read_text())
+                except (FileNotFoundError, json.JSONDecodeError):  # released, or being written: busy
+                    return False
+                if holder["host"] != me["host"] or _alive(holder["pid"]):
+                    return False
+                path.unlink(missing_ok=True)  # its process died: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            return True
+        return False
+
+    def release(self, method: str, seed: int) -> None:
+        (self.folder(method, seed) / "claim.json").unlink(missing_ok=True)
+
+    def next_run(self) -> tuple[str, int] | None:
+        """The first pending run no other process holds, claimed; None when there is none."""
+        return next((run for run in self.pending() if self.claim(*run)), None)
+
     def run(self, method: str, seed: int, index: int) -> None:
         folder = self.folder(method, seed)
         folder.mkdir(parents=True, exist_ok=True)
@@ -275,9 +309,17 @@ class Study:
               f"{summary['run_s'] / 60:.1f} min", flush=True)
 
 
-def launch_port() -> int:
-    import socket
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
+
+def launch_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -418,9 +460,15 @@ def main(argv=None) -> int:
             print(f"{method}: {' '.join(study.flags(method, cfg['seeds'][0]))}")
         return 0
     index = sum(1 for m in cfg["methods"] for s in cfg["seeds"] if study.done(m, s))
-    while not args.report and (todo := study.pending()):  # re-planned after every run: the best baseline may change
+    while not args.report and (todo := study.next_run()):  # re-planned after every run: the best baseline may change
         index += 1
-        study.run(*todo[0], index)
+        try:
+            study.run(*todo, index)
+        finally:
+            study.release(*todo)
+    if not args.report and (busy := study.pending()):
+        print(f"> {len(busy)} runs are being made by other processes sharing {study.out}: "
+              "the table below holds what has finished so far", flush=True)
     results = summarize(study)
     study.out.mkdir(parents=True, exist_ok=True)
     tmp = study.out / "results.json.tmp"
