@@ -13,6 +13,7 @@ setup(
         "numpy",
         "sentencepiece",
         "psutil",  # megatron.core.dist_checkpointing needs it but does not declare it
+        "torchft==0.2.0",  # the fault-tolerant exchange between clusters (outer/cluster_exchange.py)
     ],
     extras_require={
         "tensorboard": ["tensorboard"],

@@ -1,0 +1,221 @@
+"""The outer exchange between clusters that run as independent jobs, on torchft.
+
+Each rank holds one torchft ``Manager``: its replica group is its cluster, its group rank its
+place in the cluster. A Lighthouse (``torchft_lighthouse``) forms a quorum of the live clusters
+for every round, and torchft reconfigures a gloo group per group rank over the quorum's members,
+so the ranks that hold the same shard in every live cluster exchange with each other. A round:
+
+1. **Quorum.** ``start_quorum`` returns the live clusters. A cluster whose committed-round count
+   is behind the others (a restarted one) is healed inside it: torchft fetches a live peer's
+   ``state_dict`` over HTTP and hands it to ``load_state_dict``; the healed cluster's own payload
+   was computed on stale state, so it sends none this round (``valid`` 0).
+2. **Payloads.** Every member all-gathers an envelope (cluster, round, valid, length) plus its
+   payload. Each rank checks what it received (the envelope, then the caller's ``verify``, for
+   example the codec frame's checksum), and the members all-gather their verdicts: a payload
+   is used only if every member accepted it, so every survivor applies the same set of
+   clusters, and a corrupt one is dropped and named.
+3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
+   a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
+   with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
+   round began; then :class:`ClusterLossError`.
+
+A cluster that dies mid-round costs the others one failed attempt: the all-gather errors (a
+reset connection) or times out (a frozen peer, after ``failure_timeout_s``), and the next quorum
+leaves it out once the Lighthouse has missed its heartbeats (``--heartbeat_timeout_ms``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.outer.compression.comm import count
+
+ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
+
+
+class ClusterLossError(RuntimeError):
+    """No round could be committed in time: too few clusters are live, or the exchange fails."""
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """How one rank joins the exchange between clusters."""
+
+    lighthouse: str
+    """Lighthouse address, ``HOST:PORT`` or ``http://HOST:PORT``."""
+    cluster: int
+    """This rank's cluster, 0-based; members are ordered by it."""
+    clusters: int
+    """Clusters of the run: the first round waits up to ``startup_timeout_s`` for all of them."""
+    min_clusters: int = 1
+    """Fewest live clusters a round may be applied with."""
+    failure_timeout_s: float = 60.0
+    """Bound on one round, retries included, and on one collective with a frozen peer."""
+    startup_timeout_s: float = 300.0
+    """How long the first round waits for all ``clusters`` to be up (imports, rendezvous)."""
+
+    def __post_init__(self):
+        if not 0 <= self.cluster < self.clusters:
+            raise ConfigError(f"cluster {self.cluster} is not in 0..{self.clusters - 1}")
+        if not 1 <= self.min_clusters <= self.clusters:
+            raise ConfigError(f"--dilocox-min-clusters must be in 1..{self.clusters}, got {self.min_clusters}")
+        if self.failure_timeout_s <= 0:
+            raise ConfigError(f"--dilocox-failure-timeout-s must be positive, got {self.failure_timeout_s}")
+
+    @property
+    def lighthouse_url(self) -> str:
+        return self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}"
+
+
+@dataclass
+class Delivery:
+    """What one committed round delivered to this rank."""
+
+    round: int
+    """Rounds committed before this one (torchft's step), the same on every member."""
+    clusters: list[int]
+    """The clusters whose payloads are in ``payloads``, ascending."""
+    payloads: list[torch.Tensor]
+    """Their payloads (CPU uint8), in the order of ``clusters``."""
+    members: list[int]
+    """Every cluster of the quorum, including a healed one and the dropped ones."""
+    healed: bool
+    """This cluster's state was replaced by a live peer's in this round."""
+    dropped: dict[int, str] = field(default_factory=dict)
+    """Cluster -> why its payload was not used (healed, or failed a check on some member)."""
+    attempts: int = 1
+    """Quorums this round took (more than 1 after a failure)."""
+    seconds: float = 0.0
+    """From the first quorum to the commit."""
+
+
+class ClusterExchange:
+    """One rank's side of the fault-tolerant exchange between clusters (see the module docstring).
+
+    Args:
+        config: the exchange settings.
+        rank, world_size: this rank's place in its cluster and the cluster's size.
+        store_addr, store_port: the cluster's own TCPStore (torchrun's ``MASTER_ADDR``/``MASTER_PORT``);
+            the other clusters reach it to form the gloo groups.
+        state_dict: returns what a healing peer needs to continue (global parameters, outer
+            state); it is served while the round runs, so it must return copies.
+        load_state_dict: applies a live peer's ``state_dict`` when this cluster heals.
+        counter: a ByteCounter for the payload bytes this rank sends (None counts nothing).
+    """
+
+    def __init__(self, config: ExchangeConfig, *, rank: int, world_size: int, store_addr: str, store_port: int,
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], counter=None):
+        from torchft import Manager, ProcessGroupGloo
+
+        self.config, self.counter = config, counter
+        timeout = timedelta(seconds=config.failure_timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=load_state_dict, state_dict=state_dict,
+            min_replica_size=config.min_clusters, use_async_quorum=False, init_sync=False,
+            replica_id=f"c{config.cluster:05d}",  # torchft orders members by this string
+            rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+            lighthouse_addr=config.lighthouse_url, timeout=timeout, quorum_timeout=timeout,
+            connect_timeout=timeout)
+        self._started = time.monotonic()
+
+    @property
+    def round(self) -> int:
+        """Rounds committed so far (a healed cluster takes its peers' count)."""
+        return self.manager.current_step()
+
+    def exchange(self, payload: torch.Tensor, verify: Callable[[int, int, torch.Tensor], None] | None = None) -> Delivery:
+        """All-gathers ``payload`` (CPU uint8, the same size on every cluster) with the live clusters.
+
+        ``verify(cluster, round, payload)`` raises ``ValueError`` for a payload that must not be used
+        (``round`` as :attr:`round` counts it, before the commit).
+        Returns the committed round's delivery; raises :class:`ClusterLossError` if no round
+        commits within ``failure_timeout_s``.
+        """
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        cfg, mgr = self.config, self.manager
+        payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
+        begin, attempts, why = time.monotonic(), 0, "no quorum"
+        while True:
+            attempts += 1
+            before = mgr.current_step()
+            try:
+                mgr.start_quorum(timeout=timedelta(seconds=max(1.0, self._left(begin))))
+            except Exception as err:  # the Lighthouse gave no quorum in time
+                why = f"quorum: {err}"
+                self._give_up_if_late(begin, why)
+                continue
+            healed = mgr.current_step() != before
+            members = mgr.num_participants()
+            if (mgr.current_step() == 0 and members < cfg.clusters
+                    and time.monotonic() - self._started < cfg.startup_timeout_s):
+                time.sleep(0.5)  # the first round waits for every cluster (a lone first one would commit alone)
+                begin = time.monotonic()
+                continue
+            mine = self._envelope(payload, mgr.current_step(), valid=not healed)
+            rows = verdicts = None
+            if not mgr.errored():
+                try:
+                    rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
+                    self.pg.allgather([rows], [mine], AllgatherOptions()).wait()
+                    count(self.counter, mine.numel())
+                    decoded = [self._open(row, mgr.current_step(), payload.numel(), verify) for row in rows]
+                    ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
+                    verdicts = [torch.empty_like(ok) for _ in rows]
+                    self.pg.allgather([verdicts], [ok], AllgatherOptions()).wait()
+                except Exception as err:  # a dead or frozen peer
+                    mgr.report_error(err)
+                    why = f"exchange: {err}"
+            if mgr.should_commit():
+                accepted = torch.stack(verdicts).min(0).values.bool().tolist()
+                delivery = Delivery(round=mgr.current_step() - 1, clusters=[], payloads=[], members=[],
+                                    healed=healed, attempts=attempts, seconds=time.monotonic() - begin)
+                for (cluster, body, reason), used in zip(decoded, accepted):  # members come in cluster order
+                    delivery.members.append(cluster)
+                    if used:
+                        delivery.clusters.append(cluster)
+                        delivery.payloads.append(body)
+                    else:
+                        delivery.dropped[cluster] = reason or "refused by another cluster"
+                return delivery
+            if members < cfg.min_clusters:
+                why = f"{members} live clusters, --dilocox-min-clusters is {cfg.min_clusters}"
+            self._give_up_if_late(begin, why)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def _left(self, begin: float) -> float:
+        return self.config.failure_timeout_s - (time.monotonic() - begin)
+
+    def _give_up_if_late(self, begin: float, why: str) -> None:
+        if self._left(begin) <= 0:
+            raise ClusterLossError(f"cluster {self.config.cluster}: no outer round committed within "
+                                   f"--dilocox-failure-timeout-s {self.config.failure_timeout_s:g} ({why})")
+
+    def _envelope(self, payload: torch.Tensor, step: int, valid: bool) -> torch.Tensor:
+        head = torch.tensor([self.config.cluster, step, int(valid), payload.numel()], dtype=torch.int64)
+        body = payload if valid else torch.zeros_like(payload)
+        return torch.cat([head.view(torch.uint8), body])
+
+    @staticmethod
+    def _open(row: torch.Tensor, step: int, numel: int, verify) -> tuple[int, torch.Tensor, str | None]:
+        """(cluster, payload, None) or, for a payload that must not be used, (cluster, payload, why)."""
+        cluster, sent_step, valid, length = row[: ENVELOPE * 8].view(torch.int64).tolist()
+        body = row[ENVELOPE * 8:]
+        if not valid:
+            return cluster, body, "healed this round (its payload was computed on stale state)"
+        if (sent_step, length) != (step, numel):
+            return cluster, body, f"envelope says round {sent_step} and {length} bytes, expected {step} and {numel}"
+        try:
+            if verify is not None:
+                verify(cluster, step, body)
+        except ValueError as err:
+            return cluster, body, str(err)
+        return cluster, body, None

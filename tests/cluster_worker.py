@@ -1,0 +1,89 @@
+"""One single-rank cluster in the fault tests of the exchange between clusters (test_cluster_exchange.py).
+
+    python tests/cluster_worker.py CLUSTER CLUSTERS ROUNDS LIGHTHOUSE [--corrupt-round R] [--inner-s S]
+        [--hold-round R --hold-file PATH]
+
+Every round it sends a framed fp32 "pseudo-gradient" drawn from (cluster, round), adds the mean of
+the delivered ones to its "global parameters" ``w`` and prints one JSON line: the round, the
+clusters used and dropped, whether it healed, and ``w``'s digest. It stops once ``ROUNDS`` rounds
+are committed (a restarted cluster takes its peers' count when it heals). ``--hold-round`` waits
+before that round until ``--hold-file`` exists (so that survivors are still running when a
+restarted cluster has finished its imports).
+"""
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_dilocox.outer.cluster_exchange import ClusterExchange, ExchangeConfig  # noqa: E402
+from megatron_dilocox.outer.compression import wire  # noqa: E402
+
+NUMEL = 64
+
+
+def pseudo_gradient(cluster: int, rnd: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * rnd + cluster))
+
+
+def header(cluster: int, rnd: int) -> wire.Header:
+    return wire.Header("none", 32, "dense", rnd + 1, cluster, wire.layout_digest(NUMEL), 4 * NUMEL)
+
+
+def digest(w: torch.Tensor) -> str:
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("cluster", type=int)
+    p.add_argument("clusters", type=int)
+    p.add_argument("rounds", type=int)
+    p.add_argument("lighthouse")
+    p.add_argument("--corrupt-round", type=int, default=-1)
+    p.add_argument("--inner-s", type=float, default=0.3)
+    p.add_argument("--hold-round", type=int, default=-1)
+    p.add_argument("--hold-file", type=Path)
+    a = p.parse_args()
+
+    w = torch.zeros(NUMEL)
+    healed_from = {}
+
+    def load_state_dict(state):
+        w.copy_(state["w"])
+        healed_from["digest"] = digest(w)
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # the cluster's own store
+    ex = ClusterExchange(ExchangeConfig(a.lighthouse, a.cluster, a.clusters, failure_timeout_s=30.0),
+                         rank=0, world_size=1, store_addr="localhost", store_port=store.port,
+                         state_dict=lambda: {"w": w.clone()}, load_state_dict=load_state_dict)
+    print(json.dumps(dict(event="up", cluster=a.cluster)), flush=True)
+    while ex.round < a.rounds:
+        rnd = ex.round
+        while rnd == a.hold_round and not a.hold_file.exists():
+            time.sleep(0.1)
+        payload = wire.frame(pseudo_gradient(a.cluster, rnd).view(torch.uint8), header(a.cluster, rnd))
+        if rnd == a.corrupt_round:
+            payload[-1] ^= 0x5A  # a bit flip in the body: the checksum must catch it
+        got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)))
+        acc = torch.zeros(NUMEL)
+        for body in got.payloads:
+            acc += body[wire.HEADER_BYTES:].view(torch.float32)
+        if got.payloads:
+            w += acc / len(got.payloads)
+        print(json.dumps(dict(event="round", cluster=a.cluster, round=got.round, clusters=got.clusters,
+                              members=got.members, dropped=got.dropped, healed=got.healed,
+                              healed_digest=healed_from.pop("digest", None), attempts=got.attempts,
+                              seconds=round(got.seconds, 3), digest=digest(w), t=time.time())), flush=True)
+        time.sleep(a.inner_s)  # the inner steps
+    ex.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The exchange between independent clusters on torchft (megatron_dilocox/outer/cluster_exchange.py):
+three single-rank clusters as separate processes around one Lighthouse. One cluster is killed
+(SIGKILL) between rounds and restarted; another sends a corrupt payload. Checked against a
+single-process replay of the same rounds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from launch import REPO
+
+sys.path.insert(0, str(REPO / "tests"))
+
+import cluster_worker  # noqa: E402
+
+from megatron_dilocox.errors import ConfigError  # noqa: E402
+from megatron_dilocox.outer.cluster_exchange import ExchangeConfig  # noqa: E402
+
+ROUNDS, KILL_AFTER, HOLD, CORRUPT = 10, 2, 5, 7
+HEARTBEAT_MS = 3000
+
+
+class Cluster:
+    """A worker process whose JSON lines are collected as they come."""
+
+    def __init__(self, name, argv, log):
+        self.name, self.records = name, []
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cluster_worker.py"), *argv],
+                                     stdout=subprocess.PIPE, stderr=log, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.records.append(dict(json.loads(line), t_seen=time.time()))
+
+    def rounds(self):
+        return [r for r in self.records if r["event"] == "round"]
+
+    def wait_for(self, pred, timeout=240):
+        end = time.time() + timeout
+        while time.time() < end:
+            found = next((r for r in self.records if pred(r)), None)
+            if found:
+                return found
+            if self.proc.poll() is not None and not self._pump.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no such record in {timeout} s; got {self.records}")
+
+
+@pytest.fixture
+def lighthouse(monkeypatch):
+    monkeypatch.setenv("RUST_LOG", "warn")  # the Lighthouse logs every quorum request at info
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000, quorum_tick_ms=100,
+                              heartbeat_timeout_ms=HEARTBEAT_MS)
+    yield server.address()
+    server.shutdown()
+
+
+def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tmp_path):
+    hold = tmp_path / "go"
+    common = [str(ROUNDS), lighthouse, "--hold-round", str(HOLD), "--hold-file", str(hold)]
+    log = open(tmp_path / "stderr.txt", "w")
+    procs = []
+    try:
+        c0 = Cluster("c0", ["0", "3", *common], log)
+        c1 = Cluster("c1", ["1", "3", *common, "--corrupt-round", str(CORRUPT)], log)
+        c2 = Cluster("c2", ["2", "3", *common], log)
+        procs += [c0, c1, c2]
+        c2.wait_for(lambda r: r.get("round") == KILL_AFTER)
+        c2.proc.send_signal(signal.SIGKILL)  # in its inner steps, between rounds
+        killed = time.time()
+        c2.proc.wait()
+        survivors = c0.wait_for(lambda r: r.get("clusters") == [0, 1])
+        c2b = Cluster("c2b", ["2", "3", *common], log)
+        procs.append(c2b)
+        c2b.wait_for(lambda r: r["event"] == "up")
+        hold.touch()  # the survivors go on from round HOLD; the restarted cluster heals there
+        for c in (c0, c1, c2b):
+            assert c.proc.wait(timeout=240) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
+    finally:
+        for c in procs:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+        log.close()
+
+    print(f"a lost cluster noticed after {survivors['t'] - killed:.2f} s (heartbeat timeout {HEARTBEAT_MS} ms)")
+    by_round = {}
+    for c in (c0, c1, c2, c2b):
+        for r in c.rounds():
+            by_round.setdefault(r["round"], []).append(r)
+    # The survivors commit every round once, in order; every member of a round agrees bit for bit.
+    assert [r["round"] for r in c0.rounds()] == list(range(ROUNDS))
+    assert [r["round"] for r in c1.rounds()] == list(range(ROUNDS))
+    for rnd, reports in by_round.items():
+        assert len({(r["digest"], tuple(r["clusters"])) for r in reports}) == 1, reports
+    # Only the dead cluster's own rounds are missing, until it rejoins at the hold.
+    used = {rnd: reports[0]["clusters"] for rnd, reports in by_round.items()}
+    lost = [rnd for rnd in range(ROUNDS) if 2 not in used[rnd]]
+    assert lost[0] == KILL_AFTER + 1 and lost[-1] == HOLD
+    assert all(used[rnd] == [0, 1] for rnd in lost if rnd != CORRUPT)
+    # The restarted cluster healed from a peer's state at its first round and went on with everyone.
+    first = c2b.rounds()[0]
+    assert first["round"] == HOLD and first["healed"] and first["dropped"] == {
+        "2": "healed this round (its payload was computed on stale state)"}
+    assert first["healed_digest"] == by_round[HOLD - 1][0]["digest"]
+    # The corrupt payload was dropped and named on every member, the round applied without it.
+    for r in by_round[CORRUPT]:
+        assert r["clusters"] == [0, 2] and "cluster 1 failed its checksum" in r["dropped"]["1"]
+    assert len({c.rounds()[-1]["digest"] for c in (c0, c1, c2b)}) == 1
+    # The result is what one process computes from the same rounds: the mean over the delivered clusters.
+    w = torch.zeros(cluster_worker.NUMEL)
+    for rnd in range(ROUNDS):
+        w += sum(cluster_worker.pseudo_gradient(c, rnd) for c in used[rnd]) / len(used[rnd])
+        assert cluster_worker.digest(w) == by_round[rnd][0]["digest"], rnd
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(cluster=3, clusters=3), "cluster 3 is not in 0..2"),
+    (dict(cluster=0, clusters=2, min_clusters=3), "--dilocox-min-clusters must be in 1..2"),
+    (dict(cluster=0, clusters=2, failure_timeout_s=0), "--dilocox-failure-timeout-s must be positive"),
+])
+def test_bad_settings_are_named(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ExchangeConfig("localhost:29510", **fields)
