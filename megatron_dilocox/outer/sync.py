@@ -410,9 +410,9 @@ class OuterSync:
 
     def _state_tensor(self, flat: torch.Tensor, copy: bool) -> torch.Tensor:
         """``flat`` where the outer state lives: next to the params, or in pinned host memory
-        with ``offload_outer_state`` on a GPU (that copy is the staging step). ``copy``: never
-        return ``flat`` itself."""
-        if self.config.offload_outer_state and torch.cuda.is_available():
+        with ``offload_outer_state`` (set on a GPU only; that copy is the staging step). ``copy``:
+        never return ``flat`` itself."""
+        if self.config.offload_outer_state:
             return torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
         return flat.clone() if copy else flat
 

@@ -8,6 +8,7 @@ Without CUDA, megatron-core runs here only through the CPU bridge, which the ent
 installs first (:func:`megatron_dilocox.platform.cpu.prepare`); importing this module does not.
 """
 
+import dataclasses
 import os
 from functools import partial
 
@@ -72,10 +73,11 @@ def setup(args):
     init_distributed(backend.process_group_backend(args.distributed_backend), args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
     outer = dilocox_config(args)
-    staged = outer.offload_outer_state and backend.on_cuda()
+    if outer.offload_outer_state and not backend.on_cuda():  # on the CPU the state is in host memory already
+        outer = dataclasses.replace(outer, offload_outer_state=False)
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, outer.clusters, args.dilocox,
-                          outer.outer_timeout_s, outer_backend="gloo" if staged else None)
+                          outer.outer_timeout_s, outer_backend="gloo" if outer.offload_outer_state else None)
     if args.save:
         lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
