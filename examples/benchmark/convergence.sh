@@ -98,6 +98,7 @@ case "$STUDY" in
              --method "DiLoCoX defaults 4-bit inner 4e-3=$DLX --dilocox-quant-bits 4 --lr 4e-3 --min-lr 4e-4"
              --method "DiLoCoX defaults inner 5.6e-3=$DLX --lr 5.6e-3 --min-lr 5.6e-4"
              --method "delay fp32 inner 2.8e-3=$DLX --dilocox-compression none --lr 2.8e-3 --min-lr 2.8e-4"
+             --method "DiLoCoX defaults inner 4e-3 EF decay 0.9=$DLX --lr 4e-3 --min-lr 4e-4 --dilocox-ef-decay 0.9"
              --method "sync fp32 inner 2.8e-3 outer lr 0.7=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4 --dilocox-outer-lr 0.7") ;;
   batch)  # the defaults and blocking DiLoCo at another global batch, e.g. GBS=64 OUT=runs/convergence/pilot-gbs64
     INNER="--lr 4e-3 --min-lr 4e-4"
