@@ -133,17 +133,12 @@ class CompressedReducer:
 
     def _reduce(self, delta: torch.Tensor, group) -> torch.Tensor:
         self.round += 1
-        self._group = group
-        self._clusters = 1 if group is None else dist.get_world_size(group)
-        self._me = 0 if group is None else dist.get_rank(group)
-        self._device = delta.device
-        self._times = defaultdict(float)
-        self._sent = self._payload = 0
+        r = _Round(group, self.counter, delta.device)
         ranks_used = list(self.ranks)
         if not self._agreed:
-            self._handshake()
+            self._handshake(r)
 
-        with self._timed("encode"):
+        with r.timed("encode"):
             if self.config.error_feedback:
                 if self.residual is None:
                     self.residual = torch.zeros_like(delta)
@@ -152,11 +147,11 @@ class CompressedReducer:
             else:
                 x = delta
         if self.matrices:
-            out, own = self._lowrank_round(x)
+            out, own = self._lowrank_round(x, r)
         else:
-            out, own = self._dense_round(x)
+            out, own = self._dense_round(x, r)
 
-        with self._timed("encode"):
+        with r.timed("encode"):
             # What compression dropped this round (the next residual under error feedback).
             dropped = torch.sub(x, own, out=self.residual if self.config.error_feedback else None)
             err = torch.linalg.vector_norm(dropped).item()
@@ -172,12 +167,12 @@ class CompressedReducer:
                     residual_ratio = self.config.ef_decay * err / dn if dn else 0.0
         self.last_stats = dict(
             round=self.round, codec=self.config.codec, dense_bytes=4 * self.numel,
-            payload_bytes=self._payload, sent_bytes=self._sent,
-            ratio=4 * self.numel / self._payload if self._payload else math.inf,
+            payload_bytes=r.payload, sent_bytes=r.sent,
+            ratio=4 * self.numel / r.payload if r.payload else math.inf,
             rel_error=err / norm if norm else 0.0, ranks=ranks_used,
             mean_rank=sum(ranks_used) / len(ranks_used) if ranks_used else 0.0,
-            encode_s=self._times["encode"], comm_s=self._times["comm"],
-            decode_s=self._times["decode"], residual_ratio=residual_ratio,
+            encode_s=r.times["encode"], comm_s=r.times["comm"],
+            decode_s=r.times["decode"], residual_ratio=residual_ratio,
         )
         return out
 
@@ -192,25 +187,25 @@ class CompressedReducer:
             dst[o: o + n] = flat[offset: offset + n]
             offset += n
 
-    def _dense_round(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_round(self, x: torch.Tensor, r: _Round) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, own decoded) when every tensor is dense: the parts, in order, tile ``x``."""
         numels = [n for _, n in self.dense]
-        with self._timed("encode"):
+        with r.timed("encode"):
             if self.config.codec == "topk":
                 codec = topk.TopKCodec(numels, self.config.bits, self.config.topk_chunk, self.config.topk_density)
             else:
                 codec = SegmentCodec(numels, self.payload_bits, self.config.block)
             body = codec.encode(self._dense_parts(x))
-        total, mine = self._exchange("dense", codec, body)
-        with self._timed("decode"):
-            return self._div(total), mine
+        total, mine = self._exchange(r, "dense", codec, body)
+        with r.timed("decode"):
+            return r.div(total), mine
 
-    def _lowrank_round(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lowrank_round(self, x: torch.Tensor, r: _Round) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, own decoded): low-rank matrices in two exchanges, the dense tensors with P."""
         out, own = torch.empty_like(x), torch.empty_like(x)
         mats = [x[a.offset: a.offset + a.m * a.n].view(a.m, a.n) for a in self.matrices]
         dense_numels = [n for _, n in self.dense]
-        with self._timed("encode"):
+        with r.timed("encode"):
             missing = [(i, None, [], self.ranks[i]) for i, q in enumerate(self._q) if q is None]
             for (i, *_), q in zip(missing, self._warm_starts(missing)):
                 self._q[i] = q  # first round: seeded random starts, the same on every rank
@@ -218,23 +213,23 @@ class CompressedReducer:
             ps = [m @ q for m, q in zip(mats, qs)]
             codec = SegmentCodec([p.numel() for p in ps] + dense_numels, self.payload_bits, self.config.block)
             body = codec.encode(ps + self._dense_parts(x))
-        total, mine = self._exchange("P", codec, body)
+        total, mine = self._exchange(r, "P", codec, body)
 
-        with self._timed("decode"):
+        with r.timed("decode"):
             split = sum(p.numel() for p in ps)
-            self._write_dense(self._div(total[split:]), out)
+            self._write_dense(r.div(total[split:]), out)
             self._write_dense(mine[split:], own)
             p_sum = _split(total[:split], [p.shape for p in ps])
             p_hat = _by_shape(p_sum, lowrank.orthonormalize)
 
-        with self._timed("encode"):
+        with r.timed("encode"):
             qs_local = [m.T @ p for m, p in zip(mats, p_hat)]
             codec = SegmentCodec([q.numel() for q in qs_local], self.payload_bits, self.config.block)
             body = codec.encode(qs_local)
-        total, mine = self._exchange("Q", codec, body)
+        total, mine = self._exchange(r, "Q", codec, body)
 
-        with self._timed("decode"):
-            q_mean = _split(self._div(total), [q.shape for q in qs_local])
+        with r.timed("decode"):
+            q_mean = _split(r.div(total), [q.shape for q in qs_local])
             q_own = _split(mine, [q.shape for q in qs_local])
             plans = []
             for i, a in enumerate(self.matrices):
@@ -281,57 +276,45 @@ class CompressedReducer:
 
     # -- exchange ----------------------------------------------------------------------------
 
-    def _exchange(self, stage: str, codec: SegmentCodec | topk.TopKCodec, body: torch.Tensor):
+    def _exchange(self, r: _Round, stage: str, codec: SegmentCodec | topk.TopKCodec, body: torch.Tensor):
         """All-gathers this rank's framed ``body``; returns (sum in cluster order, own decoded)."""
-        with self._timed("encode"):
-            header = wire.Header(self.config.codec, self.payload_bits, stage, self.round, self._me,
+        with r.timed("encode"):
+            header = wire.Header(self.config.codec, self.payload_bits, stage, self.round, r.me,
                                  wire.layout_digest(stage, *codec.layout), codec.nbytes)
             payload = wire.frame(body, header)
-        with self._timed("comm"):
-            rows = comm.all_gather_bytes(payload, self._group, self.counter)
-        self._payload += payload.numel()
-        self._sent += payload.numel() if self._group is not None else 0
-        with self._timed("decode"):
-            bodies = [wire.unframe(rows[k], replace(header, sender=k)) for k in range(self._clusters)]
+        with r.timed("comm"):
+            rows = r.all_gather(payload)
+        with r.timed("decode"):
+            bodies = [wire.unframe(rows[k], replace(header, sender=k)) for k in range(r.clusters)]
             total = mine = None
             for k, b in enumerate(bodies):  # fixed cluster order: the same adds on every rank
-                dec = codec.decode(b.to(self._device))
+                dec = codec.decode(b.to(r.device))
                 if total is None:
-                    total = dec.clone() if k == self._me else dec  # this rank's own stays intact
+                    total = dec.clone() if k == r.me else dec  # this rank's own stays intact
                 else:
                     total.add_(dec)
-                if k == self._me:
+                if k == r.me:
                     mine = dec
         return total, mine
 
-    def _div(self, t: torch.Tensor) -> torch.Tensor:
-        # A tensor divisor: true IEEE division on every device (a Python scalar may become a
-        # multiply by the reciprocal on some).
-        return t.div_(torch.tensor(float(self._clusters), dtype=t.dtype, device=t.device))
-
-    def _handshake(self) -> None:
+    def _handshake(self, r: _Round) -> None:
         """Checks that every cluster runs the same settings, round and ranks (HANDSHAKE_BYTES each)."""
         digest = hashlib.blake2b(repr((self._setup(), self.round, self.ranks)).encode(),
                                  digest_size=HANDSHAKE_BYTES).digest()
-        if self._group is not None:
-            rows = comm.all_gather_bytes(torch.frombuffer(bytearray(digest), dtype=torch.uint8),
-                                         self._group, self.counter)
-            self._sent += len(digest)
+        if r.group is not None:
+            rows = r.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8), payload=False)
             c = self.config
-            for k in range(self._clusters):
+            for k in range(r.clusters):
                 if rows[k].numpy().tobytes() != digest:
                     raise ValueError(
                         f"outer round {self.round}: cluster {k} runs different compression settings or "
-                        f"state than cluster {self._me} (this one: codec {c.codec}, bits {c.bits}, rank {c.rank}, "
+                        f"state than cluster {r.me} (this one: codec {c.codec}, bits {c.bits}, rank {c.rank}, "
                         f"block {c.block}, adaptive {c.adaptive}, ranks {self.ranks}, topk chunk {c.topk_chunk}, "
                         f"density {c.topk_density}); all clusters "
                         "need the same compression flags and must resume "
                         "from the same checkpoint"
                     )
         self._agreed = True
-
-    def _timed(self, key: str):
-        return _Timer(self._times, key, self._device)
 
     # -- checkpointing -----------------------------------------------------------------------
 
@@ -366,6 +349,36 @@ class CompressedReducer:
         res = state["residual"]
         self.residual = None if res is None else res.detach().clone()
         self._agreed = False
+
+
+class _Round:
+    """One round's exchange with the other clusters: who they are, what this rank sent, timings.
+
+    ``group`` is the outer process group, or None for a single cluster (nothing is sent).
+    """
+
+    def __init__(self, group, counter: ByteCounter | None, device: torch.device):
+        self.group, self.counter, self.device = group, counter, device
+        self.clusters = 1 if group is None else dist.get_world_size(group)
+        self.me = 0 if group is None else dist.get_rank(group)
+        self.times: dict[str, float] = defaultdict(float)
+        self.payload = 0  # bytes of this round's framed payloads (what one cluster contributes)
+        self.sent = 0  # bytes handed to a collective: the payloads and a handshake, 0 alone
+
+    def all_gather(self, data: torch.Tensor, payload: bool = True) -> torch.Tensor:
+        """Every cluster's ``data``, stacked in cluster order; ``payload``: counts as the round's payload."""
+        rows = comm.all_gather_bytes(data, self.group, self.counter)
+        self.payload += data.numel() if payload else 0
+        self.sent += data.numel() if self.group is not None else 0
+        return rows
+
+    def div(self, t: torch.Tensor) -> torch.Tensor:
+        """``t / C`` in place. A tensor divisor: true IEEE division on every device (a Python
+        scalar may become a multiply by the reciprocal on some)."""
+        return t.div_(torch.tensor(float(self.clusters), dtype=t.dtype, device=t.device))
+
+    def timed(self, key: str) -> _Timer:
+        return _Timer(self.times, key, self.device)
 
 
 class _Timer:
