@@ -54,10 +54,10 @@ SYNC_FP32="$DLX --dilocox-sync-mode sync --dilocox-compression none"  # blocking
 AR=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
     --method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4"
     --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 1e-3")
-# The acceptance comparison: DiLoCoX at its best inner lr of 2e-3, 4e-3, 8e-3 (4e-3, seed 1;
-# AllReduce's best is 2e-3) against AllReduce and blocking DiLoCo.
+# The acceptance comparison: DiLoCoX at its best inner lr of 2e-3, 4e-3, 5.6e-3, 8e-3 (4e-3, seed 1)
+# against AllReduce and blocking DiLoCo at theirs (2e-3; 2.8e-3 of 2e-3, 2.8e-3, 4e-3).
 DEFAULTS=("${AR[@]}" --method "DiLoCoX defaults inner 4e-3=$DLX --lr 4e-3 --min-lr 4e-4"
-          --method "sync fp32=$SYNC_FP32" --compare "sync fp32")
+          --method "sync fp32 inner 2.8e-3=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4" --compare "sync fp32 inner 2.8e-3")
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -89,11 +89,10 @@ case "$STUDY" in
       --compare "sync fp32 SGD lr1") ;;
   defaults) METHODS=("${DEFAULTS[@]}") ;;
   levers)  # one seed each, beside the defaults study's runs
-    METHODS=("${DEFAULTS[@]}" --method "DiLoCoX defaults=$DLX"
+    METHODS=("${DEFAULTS[@]}" --method "sync fp32=$SYNC_FP32" --method "DiLoCoX defaults=$DLX"
              --method "DiLoCoX defaults 4-bit=$DLX --dilocox-quant-bits 4"
              --method "DiLoCoX defaults inner 8e-3=$DLX --lr 8e-3 --min-lr 8e-4"
              --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4"
-             --method "sync fp32 inner 2.8e-3=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4"
              --method "DiLoCoX defaults inner 4e-3 EF decay 1=$DLX --lr 4e-3 --min-lr 4e-4 --dilocox-ef-decay 1.0"
              --method "DiLoCoX defaults 4-bit inner 4e-3=$DLX --dilocox-quant-bits 4 --lr 4e-3 --min-lr 4e-4"
              --method "DiLoCoX defaults inner 5.6e-3=$DLX --lr 5.6e-3 --min-lr 5.6e-4"
