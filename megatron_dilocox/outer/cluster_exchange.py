@@ -141,7 +141,7 @@ class ClusterExchange:
 
         cfg, mgr = self.config, self.manager
         payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
-        begin, attempts, why = time.monotonic(), 0, "no quorum"
+        begin, attempts, why, healed = time.monotonic(), 0, "no quorum", False
         while True:
             attempts += 1
             before = mgr.current_step()
@@ -151,7 +151,7 @@ class ClusterExchange:
                 why = f"quorum: {err}"
                 self._give_up_if_late(begin, why)
                 continue
-            healed = mgr.current_step() != before
+            healed = healed or mgr.current_step() != before  # its payload stays stale on a retry too
             members = mgr.num_participants()
             if (mgr.current_step() == 0 and members < cfg.clusters
                     and time.monotonic() - self._started < cfg.startup_timeout_s):
