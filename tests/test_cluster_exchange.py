@@ -41,7 +41,7 @@ class Cluster:
     def _read(self):
         for line in self.proc.stdout:
             if line.startswith("{"):
-                self.records.append(dict(json.loads(line), t_seen=time.time()))
+                self.records.append(json.loads(line))
 
     def rounds(self):
         return [r for r in self.records if r["event"] == "round"]

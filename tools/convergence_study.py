@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "wan"))  # for wan/launch.py's own imports
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -255,7 +257,7 @@ class Study:
                     holder = json.loads(path.read_text())
                 except (FileNotFoundError, json.JSONDecodeError):  # released, or being written: busy
                     return False
-                if holder["host"] != me["host"] or _alive(holder["pid"]):
+                if holder["host"] != me["host"] or psutil.pid_exists(holder["pid"]):
                     return False
                 path.unlink(missing_ok=True)  # its process died: take it over
                 continue
@@ -307,16 +309,6 @@ class Study:
         os.replace(tmp, folder / "done.json")
         print(f"  {label}: final val loss {summary['val_loss']:.4f} (se {summary['val_loss_se']:.4f}), "
               f"{summary['run_s'] / 60:.1f} min", flush=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def launch_port() -> int:

@@ -159,7 +159,7 @@ class ClusterExchange:
                 begin = time.monotonic()
                 continue
             mine = self._envelope(payload, mgr.current_step(), valid=not healed)
-            rows = verdicts = None
+            decoded = verdicts = None
             if not mgr.errored():
                 try:
                     rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
