@@ -11,7 +11,7 @@ import math
 import os
 
 from megatron_dilocox import flags
-from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig, ExchangeConfig
 from megatron_dilocox.errors import ConfigError
 
 
@@ -157,6 +157,11 @@ def _dilocox_args(parser):
     g.add_argument("--dilocox", action="store_true", help="Enable the DiLoCoX outer loop.")
     flags.add_flags(g, DiLoCoXConfig, "dilocox")
     flags.add_flags(g, CompressionConfig, "dilocox")
+    g = parser.add_argument_group(
+        "DiLoCoX clusters as independent jobs",
+        "Each cluster its own torchrun job; the outer exchange runs through a torchft Lighthouse and "
+        "goes on without a lost cluster (docs/reliability.md).")
+    flags.add_flags(g, ExchangeConfig, "dilocox")
 
 
 def dilocox_config(args) -> DiLoCoXConfig:
@@ -167,6 +172,11 @@ def dilocox_config(args) -> DiLoCoXConfig:
 def compression_config(args) -> CompressionConfig:
     """The pseudo-gradient compression settings of a parsed command line."""
     return flags.from_args(CompressionConfig, args, "dilocox")
+
+
+def exchange_config(args) -> ExchangeConfig:
+    """The settings of the fault-tolerant exchange between cluster jobs."""
+    return flags.from_args(ExchangeConfig, args, "dilocox")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,9 +329,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             config.validate()
             compression_config(args).validate()
+            exchange_config(args).validate(args.clusters)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         args.dilocox_landing = config.landing
+        if args.dilocox_lighthouse:
+            _require(config.max_local_steps is None,
+                     "--dilocox-max-local-steps (adaptive H) needs every cluster's timings each round, which "
+                     "clusters joined by --dilocox-lighthouse do not share yet")
+            _require(not compression_config(args).codec.startswith("lowrank"),
+                     f"--dilocox-compression {args.dilocox_compression} needs two exchanges per round, which "
+                     "--dilocox-lighthouse does not support yet (use topk, quantize or none)")
+    else:
+        _require(not args.dilocox_lighthouse, "--dilocox-lighthouse needs --dilocox")
     return args
 
 
@@ -332,10 +352,13 @@ def validate_world(args, world_size: int) -> None:
              f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
              f"--pipeline-model-parallel-size = {model_parallel}")
     args.data_parallel_size = world_size // model_parallel
-    clusters = args.clusters
-    _require(args.data_parallel_size % clusters == 0,
-             f"world size {world_size} does not split into --dilocox-clusters {clusters} clusters of "
-             f"TP x PP x DP_in ranks (data-parallel size {args.data_parallel_size})")
+    if args.dilocox_lighthouse:  # the world is one cluster; data parallelism spans all C of them
+        args.data_parallel_size *= args.clusters
+    else:
+        clusters = args.clusters
+        _require(args.data_parallel_size % clusters == 0,
+                 f"world size {world_size} does not split into --dilocox-clusters {clusters} clusters of "
+                 f"TP x PP x DP_in ranks (data-parallel size {args.data_parallel_size})")
     step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = step

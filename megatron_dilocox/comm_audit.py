@@ -56,6 +56,11 @@ class CommAudit:
             phases = {phase for phase, _ in self.bytes} - {"startup"}
         return sum(self.bytes[(phase, "cross")] for phase in phases)
 
+    def count_exchange(self, nbytes: int) -> None:
+        """Counts bytes sent between cluster jobs by the outer exchange, which torch.distributed
+        does not carry (torchft's own process groups, :mod:`megatron_dilocox.outer.cluster_exchange`)."""
+        self._count(nbytes, crosses=True)
+
     def _group_crosses(self, group) -> bool:
         key = id(group)
         if key not in self._crosses:

@@ -276,3 +276,52 @@ class CompressionConfig:
                             ("--dilocox-flush-residual", self.flush_residual)):
             if given and not (self.error_feedback and self.codec != "none"):
                 raise ValueError(f"{flag} needs a compression codec with --dilocox-error-feedback")
+
+
+@dataclass
+class ExchangeConfig:
+    """Clusters as independent jobs joined by a fault-tolerant outer exchange (torchft): the
+    ``--dilocox-*`` flags of :mod:`megatron_dilocox.outer.cluster_exchange`."""
+
+    lighthouse: str | None = None
+    """torchft Lighthouse HOST:PORT: this torchrun job is one cluster, and clusters exchange only
+    through the Lighthouse's quorums (a lost cluster costs the others one round).
+
+    Without it the run is one torchrun world spanning every cluster. ``python -m
+    megatron_dilocox.launch`` starts a Lighthouse and the C jobs on one machine; across machines
+    run ``torchft_lighthouse --min_replicas 1 --bind [::]:PORT`` once and every cluster's torchrun
+    with the same flags plus its own ``--dilocox-cluster-index`` (docs/reliability.md)."""
+
+    cluster_index: int | None = None
+    """This job's cluster, 0 to C-1 (needed with --dilocox-lighthouse)."""
+
+    min_clusters: int = 1
+    """Fewest live clusters an outer round may be applied with; below it the survivors stop with
+    a one-line error."""
+
+    failure_timeout_s: float = 60.0
+    """Bound on one outer round, retries included: a cluster that died or froze mid-round is
+    left out of it after this long at most (and after the Lighthouse's heartbeat timeout, a
+    few seconds, when its processes are gone)."""
+
+    startup_timeout_s: float = 300.0
+    """How long the first round waits for all C clusters to be up."""
+
+    @property
+    def lighthouse_url(self) -> str:
+        return self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}"
+
+    def validate(self, clusters: int) -> None:
+        """Raises ValueError with a one-line message naming the offending flag."""
+        if self.lighthouse is None:
+            if self.cluster_index is not None:
+                raise ValueError("--dilocox-cluster-index needs --dilocox-lighthouse")
+            return
+        if self.cluster_index is None or not 0 <= self.cluster_index < clusters:
+            raise ValueError(f"--dilocox-lighthouse needs --dilocox-cluster-index in 0..{clusters - 1}, "
+                             f"got {self.cluster_index}")
+        if not 1 <= self.min_clusters <= clusters:
+            raise ValueError(f"--dilocox-min-clusters must be in 1..{clusters}, got {self.min_clusters}")
+        for flag, value in (("failure", self.failure_timeout_s), ("startup", self.startup_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"--dilocox-{flag}-timeout-s must be > 0, got {value}")

@@ -16,6 +16,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
+class ClusterLossError(RuntimeError):
+    """No outer round could be committed in time between cluster jobs: fewer than
+    ``--dilocox-min-clusters`` are live, or the exchange keeps failing."""
+
+
 def missing_dependency(err: ModuleNotFoundError) -> str:
     """The one-line error of a run outside the project's environment."""
     return (f"Python module {err.name!r} is not installed for {sys.executable}: install the pinned "

@@ -7,6 +7,11 @@ a cluster is exactly a block of ``DP_in`` data-parallel replicas. The per-step g
 to DDP and the optimizer (:attr:`Topology.pg_collection`) are then narrowed to the
 cluster: with ``C > 1`` no per-step collective leaves a cluster. The outer group of a rank
 holds the ``C`` ranks, one per cluster, that own the same parameter shard.
+
+With clusters as independent jobs (``cluster_job``), the world is one cluster: megatron-core's
+groups span it, and the ranks that own the same shard in the other clusters are reached only
+through the outer exchange (:mod:`megatron_dilocox.outer.cluster_exchange`); this rank's place
+in the data-parallel layout over all clusters is the same as in the single world.
 """
 
 import datetime
@@ -44,6 +49,9 @@ class Topology:
     outer_reduce_group: dist.ProcessGroup | None
     """A second group over the same ranks, used only by the background outer reduction, so
     that it never interleaves with the foreground outer collectives."""
+    exchange_group: dist.ProcessGroup | None = None
+    """Clusters as jobs: a gloo group over this cluster, used only by the background outer
+    exchange to agree on what was delivered (None for a one-rank cluster)."""
 
 
 def init_distributed(backend: str, timeout_minutes: int) -> None:
@@ -65,28 +73,38 @@ def _new_groups(rank_lists, timeout=None, backend=None):
 
 
 def build_topology(tp: int, pp: int, vpp: int | None, clusters: int = 1, dilocox: bool = False,
-                   outer_timeout_s: float = 3600.0, outer_backend: str | None = None) -> Topology:
+                   outer_timeout_s: float = 3600.0, outer_backend: str | None = None,
+                   cluster_job: int | None = None) -> Topology:
     """Initialises megatron-core's parallel state and, for DiLoCoX, the cluster/outer groups.
 
     Must be called by every rank with the same arguments, after :func:`init_distributed`.
     Without ``dilocox`` the clusters only say which traffic counts as cross-cluster.
     ``outer_backend``: backend of the outer groups (default: the world's), e.g. ``"gloo"``
-    for an exchange staged through host memory.
+    for an exchange staged through host memory. ``cluster_job``: this world is cluster
+    ``cluster_job`` of ``clusters``, run as its own job (``--dilocox-lighthouse``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    assert world % (tp * pp * clusters) == 0, "checked by arguments.validate_world"
+    assert world % (tp * pp * (1 if cluster_job is not None else clusters)) == 0, "checked by arguments.validate_world"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         order="tp-cp-ep-pp-dp",
     )
-    cluster_size = world // clusters
-    cluster_rank, local_rank = divmod(rank, cluster_size)
     model_parallel = tp * pp
     dp_rank = rank // model_parallel
-    inner_dp = cluster_size // model_parallel
     pgc = ProcessGroupCollection.use_mpu_process_groups()
+    if cluster_job is not None:
+        inner_dp = world // model_parallel
+        return Topology(
+            clusters=clusters, cluster_size=world, cluster_rank=cluster_job,
+            data_parallel_size=clusters * inner_dp, data_parallel_rank=cluster_job * inner_dp + dp_rank,
+            inner_dp_size=inner_dp, inner_dp_rank=dp_rank, pg_collection=pgc, cluster_group=dist.group.WORLD,
+            outer_group=None, outer_reduce_group=None,
+            exchange_group=dist.new_group(backend="gloo") if world > 1 else None)
+    cluster_size = world // clusters
+    cluster_rank = rank // cluster_size
+    inner_dp = cluster_size // model_parallel
     if not (dilocox and clusters > 1):
         cluster_group, outer_group, outer_reduce_group = dist.group.WORLD, None, None
         inner_dp = world // model_parallel

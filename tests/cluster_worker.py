@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dilocox.outer.cluster_exchange import ClusterExchange, ExchangeConfig  # noqa: E402
+from megatron_dilocox.config import ExchangeConfig  # noqa: E402
+from megatron_dilocox.outer.cluster_exchange import ClusterExchange  # noqa: E402
 from megatron_dilocox.outer.compression import wire  # noqa: E402
 
 NUMEL = 64
@@ -60,7 +61,7 @@ def main() -> None:
         healed_from["digest"] = digest(w)
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # the cluster's own store
-    ex = ClusterExchange(ExchangeConfig(a.lighthouse, a.cluster, a.clusters, failure_timeout_s=30.0),
+    ex = ClusterExchange(ExchangeConfig(a.lighthouse, cluster_index=a.cluster, failure_timeout_s=30.0), a.clusters,
                          rank=0, world_size=1, store_addr="localhost", store_port=store.port,
                          state_dict=lambda: {"w": w.clone()}, load_state_dict=load_state_dict)
     print(json.dumps(dict(event="up", cluster=a.cluster)), flush=True)

@@ -20,8 +20,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import cluster_worker  # noqa: E402
 
-from megatron_dilocox.errors import ConfigError  # noqa: E402
-from megatron_dilocox.outer.cluster_exchange import ExchangeConfig  # noqa: E402
+from megatron_dilocox.config import ExchangeConfig  # noqa: E402
 
 ROUNDS, KILL_AFTER, HOLD, CORRUPT = 10, 2, 5, 7
 HEARTBEAT_MS = 3000
@@ -129,10 +128,11 @@ def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tm
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(cluster=3, clusters=3), "cluster 3 is not in 0..2"),
-    (dict(cluster=0, clusters=2, min_clusters=3), "--dilocox-min-clusters must be in 1..2"),
-    (dict(cluster=0, clusters=2, failure_timeout_s=0), "--dilocox-failure-timeout-s must be positive"),
+    (dict(cluster_index=3), "--dilocox-cluster-index in 0..2, got 3"),
+    (dict(cluster_index=None), "--dilocox-cluster-index in 0..2, got None"),
+    (dict(cluster_index=0, min_clusters=4), "--dilocox-min-clusters must be in 1..3"),
+    (dict(cluster_index=0, failure_timeout_s=0), "--dilocox-failure-timeout-s must be > 0"),
 ])
 def test_bad_settings_are_named(fields, message):
-    with pytest.raises(ConfigError, match=message):
-        ExchangeConfig("localhost:29510", **fields)
+    with pytest.raises(ValueError, match=message):
+        ExchangeConfig("localhost:29510", **fields).validate(clusters=3)

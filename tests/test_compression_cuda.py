@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dilocox.config import CompressionConfig
-from megatron_dilocox.outer.compression import CompressedReducer, comm, lowrank
+from megatron_dilocox.outer import link
+from megatron_dilocox.outer.compression import CompressedReducer, lowrank
 from megatron_dilocox.outer.compression import quantize as qz
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -39,7 +40,7 @@ class ThreadGroup:
 @pytest.fixture
 def thread_group(monkeypatch):
     group = ThreadGroup(2)
-    monkeypatch.setattr(comm, "all_gather_bytes", group.all_gather_bytes)
+    monkeypatch.setattr(link, "all_gather_bytes", group.all_gather_bytes)
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: g.size)
     monkeypatch.setattr(dist, "get_rank", lambda g=None: g.local.rank)
     return group

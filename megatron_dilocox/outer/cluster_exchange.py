@@ -25,51 +25,27 @@ leaves it out once the Lighthouse has missed its heartbeats (``--heartbeat_timeo
 """
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from megatron_dilocox.errors import ConfigError
-from megatron_dilocox.outer.compression.comm import count
+from megatron_dilocox.config import ExchangeConfig
+from megatron_dilocox.errors import ClusterLossError, ConfigError
+from megatron_dilocox.outer.link import Gathered, Verify, count, gathered_mean
 
 ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
 
 
-class ClusterLossError(RuntimeError):
-    """No round could be committed in time: too few clusters are live, or the exchange fails."""
-
-
-@dataclass(frozen=True)
-class ExchangeConfig:
-    """How one rank joins the exchange between clusters."""
-
-    lighthouse: str
-    """Lighthouse address, ``HOST:PORT`` or ``http://HOST:PORT``."""
-    cluster: int
-    """This rank's cluster, 0-based; members are ordered by it."""
-    clusters: int
-    """Clusters of the run: the first round waits up to ``startup_timeout_s`` for all of them."""
-    min_clusters: int = 1
-    """Fewest live clusters a round may be applied with."""
-    failure_timeout_s: float = 60.0
-    """Bound on one round, retries included, and on one collective with a frozen peer."""
-    startup_timeout_s: float = 300.0
-    """How long the first round waits for all ``clusters`` to be up (imports, rendezvous)."""
-
-    def __post_init__(self):
-        if not 0 <= self.cluster < self.clusters:
-            raise ConfigError(f"cluster {self.cluster} is not in 0..{self.clusters - 1}")
-        if not 1 <= self.min_clusters <= self.clusters:
-            raise ConfigError(f"--dilocox-min-clusters must be in 1..{self.clusters}, got {self.min_clusters}")
-        if self.failure_timeout_s <= 0:
-            raise ConfigError(f"--dilocox-failure-timeout-s must be positive, got {self.failure_timeout_s}")
-
-    @property
-    def lighthouse_url(self) -> str:
-        return self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}"
+def _not_flight_recorder(record: logging.LogRecord) -> bool:
+    # torchft warns at every new quorum that it cannot reset NCCL's flight recorder, which a
+    # gloo exchange never has.
+    return "NCCL flight recorder" not in record.getMessage()
 
 
 @dataclass
@@ -98,27 +74,35 @@ class ClusterExchange:
     """One rank's side of the fault-tolerant exchange between clusters (see the module docstring).
 
     Args:
-        config: the exchange settings.
+        config: the exchange settings (``lighthouse`` and ``cluster_index`` set).
+        clusters: C, the clusters of the run: the first round waits up to
+            ``config.startup_timeout_s`` for all of them.
         rank, world_size: this rank's place in its cluster and the cluster's size.
         store_addr, store_port: the cluster's own TCPStore (torchrun's ``MASTER_ADDR``/``MASTER_PORT``);
             the other clusters reach it to form the gloo groups.
         state_dict: returns what a healing peer needs to continue (global parameters, outer
             state); it is served while the round runs, so it must return copies.
         load_state_dict: applies a live peer's ``state_dict`` when this cluster heals.
-        counter: a ByteCounter for the payload bytes this rank sends (None counts nothing).
     """
 
-    def __init__(self, config: ExchangeConfig, *, rank: int, world_size: int, store_addr: str, store_port: int,
-                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], counter=None):
+    def __init__(self, config: ExchangeConfig, clusters: int, *, rank: int, world_size: int, store_addr: str, store_port: int,
+                 state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]):
         from torchft import Manager, ProcessGroupGloo
 
-        self.config, self.counter = config, counter
+        try:
+            config.validate(clusters)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if config.lighthouse is None:
+            raise ConfigError("ClusterExchange needs --dilocox-lighthouse")
+        self.config, self.clusters = config, clusters
+        logging.getLogger("torchft.manager").addFilter(_not_flight_recorder)
         timeout = timedelta(seconds=config.failure_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self.pg, load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=config.min_clusters, use_async_quorum=False, init_sync=False,
-            replica_id=f"c{config.cluster:05d}",  # torchft orders members by this string
+            replica_id=f"c{config.cluster_index:05d}",  # torchft orders members by this string
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
             lighthouse_addr=config.lighthouse_url, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout)
@@ -153,7 +137,7 @@ class ClusterExchange:
                 continue
             healed = healed or mgr.current_step() != before  # its payload stays stale on a retry too
             members = mgr.num_participants()
-            if (mgr.current_step() == 0 and members < cfg.clusters
+            if (mgr.current_step() == 0 and members < self.clusters
                     and time.monotonic() - self._started < cfg.startup_timeout_s):
                 time.sleep(0.5)  # the first round waits for every cluster (a lone first one would commit alone)
                 begin = time.monotonic()
@@ -164,7 +148,6 @@ class ClusterExchange:
                 try:
                     rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
                     self.pg.allgather([rows], [mine], AllgatherOptions()).wait()
-                    count(self.counter, mine.numel())
                     decoded = [self._open(row, mgr.current_step(), payload.numel(), verify) for row in rows]
                     ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
                     verdicts = [torch.empty_like(ok) for _ in rows]
@@ -196,11 +179,11 @@ class ClusterExchange:
 
     def _give_up_if_late(self, begin: float, why: str) -> None:
         if self._left(begin) <= 0:
-            raise ClusterLossError(f"cluster {self.config.cluster}: no outer round committed within "
+            raise ClusterLossError(f"cluster {self.config.cluster_index}: no outer round committed within "
                                    f"--dilocox-failure-timeout-s {self.config.failure_timeout_s:g} ({why})")
 
     def _envelope(self, payload: torch.Tensor, step: int, valid: bool) -> torch.Tensor:
-        head = torch.tensor([self.config.cluster, step, int(valid), payload.numel()], dtype=torch.int64)
+        head = torch.tensor([self.config.cluster_index, step, int(valid), payload.numel()], dtype=torch.int64)
         body = payload if valid else torch.zeros_like(payload)
         return torch.cat([head.view(torch.uint8), body])
 
@@ -219,3 +202,56 @@ class ClusterExchange:
         except ValueError as err:
             return cluster, body, str(err)
         return cluster, body, None
+
+
+class ExchangeLink:
+    """The outer link (:mod:`~megatron_dilocox.outer.link`) of a cluster that runs as its own job:
+    every exchange is one committed round of ``exchange``, and a payload counts only if every
+    rank of this cluster got it (``settle_group``: a gloo group over the cluster, used by this
+    link alone; None for a one-rank cluster). Each rank exchanges its own shard with its own
+    quorum group, so a lost or corrupt cluster may be missing from one shard's delivery and not
+    another's; the ranks take the intersection (one all-reduce of a C-entry mask), and every
+    cluster computes the same one, so every survivor applies the same clusters to every shard.
+    ``audit``: the run's CommAudit, told the bytes sent (torch.distributed does not see them).
+
+    A cluster that died and is started again would have to be healed from a live peer's state;
+    that is not supported yet, so its ``load_state_dict`` stops it with an error.
+    """
+
+    def __init__(self, exchange: ClusterExchange, settle_group=None, audit=None):
+        self.exchange, self.settle_group, self.audit = exchange, settle_group, audit
+        self.cluster, self.clusters = exchange.config.cluster_index, exchange.clusters
+        self.last: Delivery | None = None
+        """The last exchange's delivery (who took part, who was dropped and why)."""
+        self._used: list[int] = []
+
+    def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
+        check = None if verify is None else (lambda cluster, _round, body: verify(cluster, body))
+        delivery = self.exchange.exchange(payload, check)
+        count(counter, payload.numel())
+        if self.audit is not None:
+            self.audit.count_exchange(payload.numel())
+        used = delivery.clusters
+        if self.settle_group is not None:
+            mask = torch.zeros(self.clusters, dtype=torch.int32)
+            mask[used] = 1
+            dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=self.settle_group)
+            used = [c for c in used if mask[c]]
+            for c in set(delivery.clusters) - set(used):
+                delivery.dropped[c] = "not delivered to every rank of this cluster"
+        rows = [body for c, body in zip(delivery.clusters, delivery.payloads) if c in used]
+        if self.last is None or used != self._used:
+            missing = sorted(set(range(self.clusters)) - set(used))
+            if missing or self.last is not None:
+                reasons = "; ".join(f"cluster {c}: {delivery.dropped.get(c, 'not in the quorum')}" for c in missing)
+                if dist.get_rank() == 0:  # one line per cluster job
+                    print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
+                          f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
+        self.last, self._used = delivery, used
+        return Gathered(torch.stack(rows), used)
+
+    def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
+        return gathered_mean(self, tensors, counter)
+
+    def close(self) -> None:
+        self.exchange.close()

@@ -59,9 +59,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_dilocox.config import DiLoCoXConfig
+from megatron_dilocox.outer.link import as_link
 from megatron_dilocox.outer.optimizer import OuterNesterov
 
 Reducer = Callable[[list[torch.Tensor], Any], list[torch.Tensor]]
@@ -100,46 +100,21 @@ class RoundStats(AppliedReduction):
 
 
 class ByteCounter:
-    """Issues cross-cluster collectives and counts their payload bytes.
-
-    Every collective :class:`OuterSync` issues goes through one of these, so ``bytes`` is all
-    this module sent (payload, not wire bytes: a ring allreduce moves about twice as much).
-    """
+    """Counts the payload bytes of the cross-cluster collectives :class:`OuterSync` and its
+    reducers issue (every one goes through an outer link, :mod:`~megatron_dilocox.outer.link`,
+    handed this counter), so ``bytes`` is all this module sent (payload, not wire bytes: a ring
+    allreduce moves about twice as much)."""
 
     def __init__(self):
         self.bytes = 0
         self.calls = 0
         self._lock = threading.Lock()
 
-    def all_reduce(self, tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """In-place ``dist.all_reduce`` over ``group``, counted."""
-        with self._lock:
-            self.bytes += tensor.numel() * tensor.element_size()
-            self.calls += 1
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
 
-
-def allreduce_mean(
-    tensors: list[torch.Tensor], group, counter: ByteCounter | None = None
-) -> list[torch.Tensor]:
-    """Default reducer: in-place fp32 mean over ``group`` (identity when ``group`` is None).
-
-    Sums with ``all_reduce`` and then divides by the group size. The sum is bit-identical on all
-    ranks: gloo's (and NCCL's) ring allreduce reduces each chunk once, on one path, and then
-    circulates the finished chunk, so every rank receives the same bits; dividing identical bits
-    by the same number stays identical.
-    """
-    if group is None:
-        return tensors
-    size = dist.get_world_size(group)
-    for t in tensors:
-        if counter is not None:
-            counter.all_reduce(t, group)
-        else:
-            dist.all_reduce(t, group=group)
-        t.div_(size)
-    return tensors
+def allreduce_mean(tensors: list[torch.Tensor], link, counter: ByteCounter | None = None) -> list[torch.Tensor]:
+    """Default reducer: in-place fp32 mean over the outer ``link`` (or process group; identity
+    for a single cluster), bit-identical on every rank that receives it (:meth:`OuterLink.mean`)."""
+    return as_link(link).mean(tensors, counter)
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -168,10 +143,11 @@ class OuterSync:
     Args:
         params: live fp32 tensors this rank trains (the inner optimizer's main params). Read and
             written in place at boundaries only; the background thread never touches them.
-        group: process group of the C ranks (one per cluster) holding the same shard, used by
-            the background thread only (create a dedicated one); None when C == 1.
-        config: outer settings; ``config.clusters`` must equal the group size.
-        reducer: ``reducer(tensors, group) -> tensors`` used instead of :func:`allreduce_mean`
+        group: the outer link (:mod:`~megatron_dilocox.outer.link`), or the process group of the
+            C ranks (one per cluster) holding the same shard; used by the background thread only
+            (give it a dedicated one); None when C == 1.
+        config: outer settings; ``config.clusters`` must equal the link's clusters.
+        reducer: ``reducer(tensors, link) -> tensors`` used instead of :func:`allreduce_mean`
             (a test hook; it must return bit-identical results on all ranks and should send
             through ``counter`` to be counted).
         counter: byte counter for the default reducer; a fresh one if None.
@@ -209,12 +185,11 @@ class OuterSync:
                 raise ValueError(f"OuterSync needs the fp32 main params, got {p.dtype}")
             if p.device != self.params[0].device:
                 raise ValueError("OuterSync params must all be on one device")
-        clusters = 1 if group is None else dist.get_world_size(group)
-        if clusters != config.clusters:
+        self.group = as_link(group)
+        if self.group.clusters != config.clusters:
             raise ValueError(
-                f"--dilocox-clusters is {config.clusters} but the outer group has {clusters} ranks"
+                f"--dilocox-clusters is {config.clusters} but the outer group has {self.group.clusters} ranks"
             )
-        self.group = group
         self.config = config
         self.counter = counter if counter is not None else ByteCounter()
         self.reducer = reducer or functools.partial(allreduce_mean, counter=self.counter)

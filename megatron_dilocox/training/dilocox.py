@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
+from megatron_dilocox.outer.link import GroupLink, OuterLink
 from megatron_dilocox.outer.sync import AppliedReduction, ByteCounter, OuterSync, RoundStats, allreduce_mean
 from megatron_dilocox.platform.backend import device
 from megatron_dilocox.topology import Topology
@@ -36,11 +37,14 @@ class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
     def __init__(self, optimizer, topo: Topology, config: DiLoCoXConfig,
-                 compression: CompressionConfig, seed: int = 0, audit=None):
+                 compression: CompressionConfig, seed: int = 0, audit=None, link: OuterLink | None = None):
         """``audit``: the run's :class:`~megatron_dilocox.comm_audit.CommAudit` (with clusters),
-        whose count of bytes sent across clusters outside boundaries each round's record carries."""
+        whose count of bytes sent across clusters outside boundaries each round's record carries.
+        ``link``: how this rank reaches the other clusters (default: the topology's outer
+        reduction group, one world spanning every cluster)."""
         self.optimizer = optimizer
         self.topo = topo
+        self.link = link or GroupLink(topo.outer_reduce_group)
         self.config = config
         self.audit = audit
         self.params = main_params(optimizer)
@@ -62,7 +66,7 @@ class DiLoCoX:
         flush_reducer = None
         if compression.flush_residual:
             flush_reducer = CompressedReducer(shapes, compression.flush_config(), counter=self.counter, seed=seed)
-        self.sync = OuterSync(self.outer_params, topo.outer_reduce_group, config, reducer=reduce,
+        self.sync = OuterSync(self.outer_params, self.link, config, reducer=reduce,
                               counter=self.counter, agree=self._agree,
                               unsent=residual if compression.keep_unsent else None,
                               flush=residual if compression.flush_residual else None,
@@ -74,16 +78,15 @@ class DiLoCoX:
 
     def _check_identical_start(self):
         """Every replica must start from bit-identical weights (one hash exchange at start)."""
-        if self.topo.outer_group is None:
+        if self.link.clusters == 1:
             return
         digest = hashlib.sha256()
         for p in self.params:
             digest.update(p.detach().cpu().numpy().tobytes())
-        mine = digest.hexdigest()
-        everyone = [None] * self.topo.clusters
-        dist.all_gather_object(everyone, mine, group=self.topo.outer_group)
-        if len(set(everyone)) != 1:
-            raise RuntimeError(f"DiLoCoX replicas start from different weights: {everyone}")
+        got = self.link.all_gather(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8))
+        everyone = {k: bytes(row.tolist()).hex()[:16] for k, row in zip(got.senders, got.rows)}
+        if len(set(everyone.values())) != 1:
+            raise RuntimeError(f"DiLoCoX replicas start from different weights (sha256 by cluster): {everyone}")
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Each flag ANDed over this rank's cluster (one tiny all-reduce inside it), so a round is
@@ -200,11 +203,14 @@ class DiLoCoX:
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         self.sync.close()
-        return None if stats is None else self._record(stats, drain=True)
+        record = None if stats is None else self._record(stats, drain=True)
+        self.link.close()
+        return record
 
     def stop(self) -> None:
         """Stops without draining, for a run that exits after saving its in-flight round."""
         self.sync.close()
+        self.link.close()
 
     def state_dict(self) -> dict:
         """Outer loop state for a checkpoint (waits for an in-flight reduction and keeps its

@@ -18,7 +18,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, validate_world
+from megatron_dilocox.arguments import (compression_config, dilocox_config, exchange_config, padded_vocab_size,
+                                        validate_world)
 from megatron_dilocox.checkpoint import checkpointing
 from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir
 from megatron_dilocox.comm_audit import CommAudit
@@ -64,6 +65,37 @@ def build_optimizer(args, model, config, topo):
     return optimizer, scheduler
 
 
+def _refuse_rejoin(_state) -> None:
+    raise RuntimeError("this cluster is behind the running clusters of its --dilocox-lighthouse, which would "
+                       "heal it from a live peer: rejoining a running job is not supported yet; start every "
+                       "cluster again from a checkpoint (--load)")
+
+
+def connect_clusters(exchange, clusters: int, topo, audit):
+    """The outer link of this cluster job: its torchft Manager (one per rank, on the job's own
+    torchrun store) and the agreement over the cluster's ranks."""
+    from megatron_dilocox.outer.cluster_exchange import ClusterExchange, ExchangeLink
+
+    manager = ClusterExchange(exchange, clusters, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                              store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                              state_dict=dict, load_state_dict=_refuse_rejoin)
+    return ExchangeLink(manager, topo.exchange_group, audit)
+
+
+def per_cluster(path: str | None, cluster: int, file: bool = False) -> str | None:
+    """Where cluster ``cluster`` of a job per cluster keeps what would be ``path`` in one world:
+    its own checkpoint folder ``PATH/cluster-K``; a file: cluster 0's is ``path``, the others'
+    ``STEM.cluster-K.SUFFIX`` beside it."""
+    if path is None:
+        return None
+    if not file:
+        return os.path.join(path, f"cluster-{cluster}")
+    if cluster == 0:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.cluster-{cluster}{suffix}"
+
+
 def setup(args):
     """Builds everything a :class:`Trainer` needs."""
     if not backend.on_cuda() and not cpu.installed():
@@ -72,12 +104,19 @@ def setup(args):
     backend.use_local_device()
     init_distributed(backend.process_group_backend(args.distributed_backend), args.distributed_timeout_minutes)
     validate_world(args, dist.get_world_size())
-    outer = dilocox_config(args)
+    outer, exchange = dilocox_config(args), exchange_config(args)
     if outer.offload_outer_state and not backend.on_cuda():  # on the CPU the state is in host memory already
         outer = dataclasses.replace(outer, offload_outer_state=False)
+    cluster_job = exchange.cluster_index if exchange.lighthouse else None
     topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                           args.virtual_pipeline_model_parallel_size, outer.clusters, args.dilocox,
-                          outer.outer_timeout_s, outer_backend="gloo" if outer.offload_outer_state else None)
+                          outer.outer_timeout_s, outer_backend="gloo" if outer.offload_outer_state else None,
+                          cluster_job=cluster_job)
+    if cluster_job is not None:
+        args.save = per_cluster(args.save, cluster_job)
+        if args.load and os.path.isdir(per_cluster(args.load, cluster_job)):
+            args.load = per_cluster(args.load, cluster_job)
+        args.metrics_file = per_cluster(args.metrics_file, cluster_job, file=True)
     if args.save:
         lock_save_dir(args.save)  # before anything is read or written: one run per save directory
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
@@ -97,7 +136,10 @@ def setup(args):
     if resume is not None:
         resume.load_weights(model)  # before the optimizer copies them into its main params
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    dilocox = DiLoCoX(optimizer, topo, outer, compression_config(args), args.seed, audit) if args.dilocox else None
+    dilocox = None
+    if args.dilocox:
+        link = connect_clusters(exchange, outer.clusters, topo, audit) if cluster_job is not None else None
+        dilocox = DiLoCoX(optimizer, topo, outer, compression_config(args), args.seed, audit, link)
     logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
     save_checkpoint = partial(checkpointing.save, args, topo) if args.save else None
     trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,

@@ -23,7 +23,7 @@ is the adaptive rank, which is decided from the shared reduced factors. A one-ti
 again after :meth:`load_state_dict`) compares a digest of the settings, round and ranks of every
 cluster, so a misconfigured peer fails with a clear error instead of a mismatched collective.
 
-**Bytes per round**, counted on ``counter`` as this rank's payload (see ``comm.py``): the
+**Bytes per round**, counted on ``counter`` as this rank's payload (see :mod:`~megatron_dilocox.outer.link`): the
 formulas of :mod:`megatron_dilocox.payload` (one exchange per round; two, P then Q, for the
 low-rank codecs; the handshake at the first round and after a resume).
 """
@@ -37,11 +37,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_dilocox.config import QUANT_BITS, CompressionConfig
-from megatron_dilocox.outer.compression import comm, lowrank, topk, wire
+from megatron_dilocox.outer.compression import lowrank, topk, wire
 from megatron_dilocox.outer.compression.segments import SegmentCodec
+from megatron_dilocox.outer.link import Gathered, OuterLink, as_link
 from megatron_dilocox.payload import HANDSHAKE_BYTES, lowrank_shape
 
 if TYPE_CHECKING:
@@ -114,10 +114,11 @@ class CompressedReducer:
 
     # -- the reducer hook --------------------------------------------------------------------
 
-    def __call__(self, tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-        """Mean over ``group`` of the one flat fp32 tensor in ``tensors`` (see the module doc).
+    def __call__(self, tensors: list[torch.Tensor], link) -> list[torch.Tensor]:
+        """Mean over the outer ``link`` (or process group) of the one flat fp32 tensor in
+        ``tensors`` (see the module doc): over the clusters that delivered this round's payload.
 
-        ``group`` None (one cluster) runs the same compression with no communication. The
+        ``link`` None (one cluster) runs the same compression with no communication. The
         input is left alone.
         """
         if len(tensors) != 1:
@@ -129,11 +130,11 @@ class CompressedReducer:
                 f"got {delta.dtype} of shape {tuple(delta.shape)}"
             )
         with torch.no_grad():
-            return [self._reduce(delta, group)]
+            return [self._reduce(delta, as_link(link))]
 
-    def _reduce(self, delta: torch.Tensor, group) -> torch.Tensor:
+    def _reduce(self, delta: torch.Tensor, link: OuterLink) -> torch.Tensor:
         self.round += 1
-        r = _Round(group, self.counter, delta.device)
+        r = _Round(link, self.counter, delta.device)
         ranks_used = list(self.ranks)
         if not self._agreed:
             self._handshake(r)
@@ -282,13 +283,15 @@ class CompressedReducer:
             header = wire.Header(self.config.codec, self.payload_bits, stage, self.round, r.me,
                                  wire.layout_digest(stage, *codec.layout), codec.nbytes)
             payload = wire.frame(body, header)
+        def check(sender: int, row: torch.Tensor) -> torch.Tensor:
+            return wire.unframe(row, replace(header, sender=sender))
+
         with r.timed("comm"):
-            rows = r.all_gather(payload)
+            got = r.all_gather(payload, verify=check)
         with r.timed("decode"):
-            bodies = [wire.unframe(rows[k], replace(header, sender=k)) for k in range(r.clusters)]
             total = mine = None
-            for k, b in enumerate(bodies):  # fixed cluster order: the same adds on every rank
-                dec = codec.decode(b.to(r.device))
+            for k, row in zip(got.senders, got.rows):  # fixed cluster order: the same adds on every rank
+                dec = codec.decode(check(k, row).to(r.device))
                 if total is None:
                     total = dec.clone() if k == r.me else dec  # this rank's own stays intact
                 else:
@@ -301,11 +304,11 @@ class CompressedReducer:
         """Checks that every cluster runs the same settings, round and ranks (HANDSHAKE_BYTES each)."""
         digest = hashlib.blake2b(repr((self._setup(), self.round, self.ranks)).encode(),
                                  digest_size=HANDSHAKE_BYTES).digest()
-        if r.group is not None:
-            rows = r.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8), payload=False)
+        if r.link.clusters > 1:
+            got = r.all_gather(torch.frombuffer(bytearray(digest), dtype=torch.uint8), payload=False)
             c = self.config
-            for k in range(r.clusters):
-                if rows[k].numpy().tobytes() != digest:
+            for k, row in zip(got.senders, got.rows):
+                if row.numpy().tobytes() != digest:
                     raise ValueError(
                         f"outer round {self.round}: cluster {k} runs different compression settings or "
                         f"state than cluster {r.me} (this one: codec {c.codec}, bits {c.bits}, rank {c.rank}, "
@@ -352,29 +355,29 @@ class CompressedReducer:
 
 
 class _Round:
-    """One round's exchange with the other clusters: who they are, what this rank sent, timings.
+    """One round's exchange with the other clusters: who delivered, what this rank sent, timings."""
 
-    ``group`` is the outer process group, or None for a single cluster (nothing is sent).
-    """
-
-    def __init__(self, group, counter: ByteCounter | None, device: torch.device):
-        self.group, self.counter, self.device = group, counter, device
-        self.clusters = 1 if group is None else dist.get_world_size(group)
-        self.me = 0 if group is None else dist.get_rank(group)
+    def __init__(self, link: OuterLink, counter: ByteCounter | None, device: torch.device):
+        self.link, self.counter, self.device = link, counter, device
+        self.me = link.cluster
+        self.clusters = link.clusters  # those that delivered the last exchange
         self.times: dict[str, float] = defaultdict(float)
         self.payload = 0  # bytes of this round's framed payloads (what one cluster contributes)
         self.sent = 0  # bytes handed to a collective: the payloads and a handshake, 0 alone
 
-    def all_gather(self, data: torch.Tensor, payload: bool = True) -> torch.Tensor:
-        """Every cluster's ``data``, stacked in cluster order; ``payload``: counts as the round's payload."""
-        rows = comm.all_gather_bytes(data, self.group, self.counter)
+    def all_gather(self, data: torch.Tensor, payload: bool = True, verify=None) -> Gathered:
+        """The delivering clusters' ``data`` in cluster order; ``payload``: counts as the round's payload."""
+        got = self.link.all_gather(data, self.counter, verify)
+        if self.me not in got.senders:
+            raise RuntimeError(f"cluster {self.me}'s own payload was not delivered back to it")
+        self.clusters = len(got.senders)
         self.payload += data.numel() if payload else 0
-        self.sent += data.numel() if self.group is not None else 0
-        return rows
+        self.sent += data.numel() if self.link.clusters > 1 else 0
+        return got
 
     def div(self, t: torch.Tensor) -> torch.Tensor:
-        """``t / C`` in place. A tensor divisor: true IEEE division on every device (a Python
-        scalar may become a multiply by the reciprocal on some)."""
+        """``t / n`` in place, n the clusters that delivered. A tensor divisor: true IEEE division
+        on every device (a Python scalar may become a multiply by the reciprocal on some)."""
         return t.div_(torch.tensor(float(self.clusters), dtype=t.dtype, device=t.device))
 
     def timed(self, key: str) -> _Timer:
