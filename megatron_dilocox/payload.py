@@ -56,14 +56,22 @@ def kept(length: int, density: float) -> int:
     return max(1, round(density * length))
 
 
-def index_width(length: int) -> int:
-    """ceil(log2 L): bits of an index within a chunk of ``length`` elements."""
-    return (length - 1).bit_length()
+def low_width(length: int, density: float) -> int:
+    """b(L): the low bits of each position stored as they are in the Elias-Fano code,
+    ``floor(log2(L / k))`` (0 when ``k >= L / 2``)."""
+    return max(0, (length // kept(length, density)).bit_length() - 1)
+
+
+def elias_fano_bits(length: int, density: float) -> int:
+    """Bits of one chunk's Elias-Fano code: ``k b`` low bits and a bit vector of
+    ``k + ((L - 1) >> b) + 1`` bits marking the high parts (about ``b + 2`` bits per position)."""
+    k, b = kept(length, density), low_width(length, density)
+    return k * b + k + ((length - 1) >> b) + 1
 
 
 def position_bits(length: int, density: float) -> int:
-    """P(L): bits of one chunk's positions, as indices or as a bitmap, whichever is smaller."""
-    return min(kept(length, density) * index_width(length), length)
+    """P(L): bits of one chunk's positions, Elias-Fano or a bitmap of the chunk, whichever is smaller."""
+    return min(elias_fano_bits(length, density), length)
 
 
 def topk_sections(numel: int, chunk: int) -> list[tuple[int, int]]:

@@ -264,8 +264,9 @@ def topk_bytes(numel, chunk, density, bits):
         if not count:
             continue
         k = max(1, round(density * length))
-        index_bits = math.ceil(math.log2(length))  # exact for powers of two (log2(1) = 0)
-        positions = min(k * index_bits, length)  # indices, or a bitmap of the chunk
+        low = max(0, math.floor(math.log2(length / k)))  # Elias-Fano: low bits per index, then
+        elias_fano = k * low + k + (length - 1) // 2**low + 1  # one bit per index and per high value
+        positions = min(elias_fano, length)  # or a bitmap of the chunk
         total += math.ceil(count * positions / 8) + math.ceil(count * k * bits / 8) + 4 * count
     return total
 
@@ -341,9 +342,10 @@ def test_topk_ties_go_to_the_lower_index_and_zero_chunks_decode_to_zero():
 
 
 def test_topk_bitmap_where_indices_cost_more():
-    # chunk 16: 4-bit indices; k = 8 indices (32 bits) cost more than the 16-bit bitmap
+    # chunk 16, k = 8: Elias-Fano 8 x 1 low bits + 8 + 8 high bits = 24 bits, more than the 16-bit bitmap;
+    # k = 2: 2 x 3 + 2 + 2 = 10 bits; 4096 at 1/64: 64 x 6 + 64 + 64 = 8 bits per index
     assert payload.position_bits(16, 0.5) == 16 and payload.position_bits(16, 0.25) == 16
-    assert payload.position_bits(16, 1 / 8) == 8 and payload.position_bits(4096, 1 / 64) == 64 * 12
+    assert payload.position_bits(16, 1 / 8) == 10 and payload.position_bits(4096, 1 / 64) == 64 * 8
     x = rand(40, seed=30)
     for density in (0.5, 0.1):
         y = topk.decode(topk.encode(x, 16, density, 3), 40, 16, density, 3)

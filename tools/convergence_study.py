@@ -196,6 +196,8 @@ class Study:
                 comp = compression_config(args)
                 resolved.update({flags.dest(f, "dilocox"): getattr(comp, f.name)
                                  for f in dataclasses.fields(CompressionConfig)})
+                if comp.codec != "topk":  # its settings do not apply (so their defaults may move)
+                    resolved = {k: v for k, v in resolved.items() if not k.startswith("dilocox_topk_")}
             else:  # AllReduce: the outer loop's settings do not apply (the clusters only count bytes)
                 resolved = {k: v for k, v in resolved.items()
                             if not k.startswith("dilocox_") or k == "dilocox_clusters"}

@@ -8,16 +8,21 @@ error feedback the caller keeps it whole in its residual).
 **Body.** The full chunks form one section and a short last chunk a second one; a section of
 ``r`` chunks of ``L`` elements stores, each part padded to whole bytes:
 
-* positions, ``ceil(r * P(L) / 8)`` bytes with ``P(L) = min(k(L) * ceil(log2 L), L)``: the kept
-  entries' indices within their chunk, ascending, ``ceil(log2 L)`` bits each, or, where that is
-  larger, a bitmap of ``L`` bits (above density ``1 / ceil(log2 L)``: 1/12 for chunks of 4096);
+* positions, ``ceil(r * P(L) / 8)`` bytes: the kept entries' indices within their chunk,
+  ascending, in the Elias-Fano code, or, where that is larger, a bitmap of the ``L`` entries
+  (:func:`~megatron_dilocox.payload.position_bits`). Elias-Fano with ``b = floor(log2(L / k))``:
+  each index's low ``b`` bits as they are (``k b`` bits), then a bit vector of
+  ``k + ((L - 1) >> b) + 1`` bits with bit ``(p_i >> b) + i`` set for the ``i``-th index ``p_i``.
+  Its size depends only on ``L`` and ``k``, at most about ``b + 2`` bits per index (8 at 1/64 of
+  4096, against 12 for plain indices), near the ``log2 C(L, k) / k`` (7.4) that any code of
+  ``k`` positions among ``L`` needs;
 * codes, ``ceil(r * k(L) * bits / 8)`` bytes, in the order of the positions;
 * scales, ``4 r`` bytes: each chunk's absmax, fp32.
 
 All bit fields are packed least significant bit first. So :func:`~megatron_dilocox.payload.topk_bytes` is
 ``sum over sections of ceil(r P(L) / 8) + ceil(r k(L) bits / 8) + 4 r``, fixed by the layout:
-every rank knows every payload's size in advance. Variable-length (delta) codes of the
-positions would be smaller on average but not of a fixed size.
+every rank knows every payload's size in advance (variable-length codes of the gaps would save
+at most the last bit per index, and not at a fixed size).
 
 **Selection is deterministic**: a chunk keeps every entry above its k-th largest magnitude and
 fills up with the lowest-indexed entries equal to it, so every device picks the same entries.
@@ -45,7 +50,7 @@ import math
 import torch
 
 from megatron_dilocox.config import QUANT_BITS
-from megatron_dilocox.payload import index_width, kept, topk_bytes, topk_section_bytes, topk_sections
+from megatron_dilocox.payload import elias_fano_bits, kept, low_width, topk_bytes, topk_section_bytes, topk_sections
 
 BITS = QUANT_BITS["topk"]
 
@@ -61,8 +66,27 @@ def check_args(chunk: int, density: float, bits: int) -> None:
 
 
 def _bitmap(length: int, density: float) -> bool:
-    """Whether a chunk's positions are a bitmap (smaller than its indices) rather than indices."""
-    return length < kept(length, density) * index_width(length)
+    """Whether a chunk's positions are a bitmap (no larger than their Elias-Fano code)."""
+    return length <= elias_fano_bits(length, density)
+
+
+def _elias_fano(cols: torch.Tensor, length: int, density: float) -> torch.Tensor:
+    """The bits (one int64 0/1 per bit, ``(r, P)``) of each row's ascending positions ``cols``."""
+    r, k = cols.shape
+    b = low_width(length, density)
+    low = (cols.unsqueeze(2) >> torch.arange(b, device=cols.device)) & 1
+    high = torch.zeros(r, k + ((length - 1) >> b) + 1, dtype=torch.int64, device=cols.device)
+    high.scatter_(1, (cols >> b) + torch.arange(k, device=cols.device), 1)
+    return torch.cat([low.reshape(r, k * b), high], dim=1)
+
+
+def _elias_fano_positions(bits: torch.Tensor, length: int, density: float) -> torch.Tensor:
+    """Inverse of :func:`_elias_fano`: the ``(r, k)`` positions from the ``(r, P)`` bits."""
+    r = bits.shape[0]
+    k, b = kept(length, density), low_width(length, density)
+    low = (bits[:, : k * b].view(r, k, b) << torch.arange(b, device=bits.device)).sum(2)
+    high = bits[:, k * b:].nonzero()[:, 1].view(r, k) - torch.arange(k, device=bits.device)
+    return (high << b) | low
 
 
 def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -116,7 +140,7 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
     if _bitmap(length, density):
         positions = _pack(keep.view(-1).long(), 1)
     else:
-        positions = _pack(cols, index_width(length))
+        positions = _pack(_elias_fano(cols, length, density), 1)
     return [positions, _pack(codes, bits), scale.view(torch.uint8)]
 
 
@@ -143,7 +167,8 @@ def decode(body: torch.Tensor, numel: int, chunk: int, density: float, bits: int
         if _bitmap(n, density):
             cols = _unpack(positions, r * n, 1).view(r, n).nonzero()[:, 1].view(r, k)
         else:
-            cols = _unpack(positions, r * k, index_width(n)).view(r, k)
+            code = _unpack(positions, r * elias_fano_bits(n, density), 1).view(r, -1)
+            cols = _elias_fano_positions(code, n, density)
         values = _grid_values(_unpack(codes, r * k, bits).view(r, k), scales, bits)
         out[offset: offset + r * n].view(r, n).scatter_(1, cols, values)
         offset += r * n
