@@ -88,4 +88,8 @@ def test_a_lost_cluster_does_not_stop_the_others(tmp_path):
     survivors = [read_jsonl(tmp_path / "m.jsonl"), read_jsonl(tmp_path / "m.cluster-1.jsonl")]
     finals = [[r["val_loss"] for r in s if "val_loss" in r] for s in survivors]
     assert len(finals[0]) == 2 and finals[0] == finals[1]
-    assert [r["iteration"] for r in survivors[0] if "outer_step" in r][-1] == 40
+    rounds = [(r["iteration"], r["participants"]) for r in survivors[0] if "outer_step" in r]
+    assert rounds[-1][0] == 40
+    # Every round before the loss averaged 3 clusters, the one in flight at most 3, every later one 2.
+    assert all(n == 3 for it, n in rounds if it <= 10) and all(n == 2 for it, n in rounds if it > 15), rounds
+    assert [n for _, n in rounds] == [r["participants"] for r in survivors[1] if "outer_step" in r]

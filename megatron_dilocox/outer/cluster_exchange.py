@@ -221,6 +221,7 @@ class ExchangeLink:
     def __init__(self, exchange: ClusterExchange, settle_group=None, audit=None):
         self.exchange, self.settle_group, self.audit = exchange, settle_group, audit
         self.cluster, self.clusters = exchange.config.cluster_index, exchange.clusters
+        self.delivered = self.clusters
         self.last: Delivery | None = None
         """The last exchange's delivery (who took part, who was dropped and why)."""
         self._used: list[int] = []
@@ -247,7 +248,7 @@ class ExchangeLink:
                 if dist.get_rank() == 0:  # one line per cluster job
                     print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
                           f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
-        self.last, self._used = delivery, used
+        self.last, self._used, self.delivered = delivery, used, len(used)
         return Gathered(torch.stack(rows), used)
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:

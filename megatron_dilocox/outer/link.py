@@ -86,6 +86,8 @@ class OuterLink(Protocol):
     """This rank's cluster."""
     clusters: int
     """C, the clusters of the run (a round may deliver fewer)."""
+    delivered: int
+    """The clusters the last exchange delivered (C before the first)."""
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         """Every delivering cluster's ``payload`` (CPU uint8, the same size everywhere)."""
@@ -105,7 +107,7 @@ class GroupLink:
     def __init__(self, group):
         self.group = group
         self.cluster = 0 if group is None else dist.get_rank(group)
-        self.clusters = 1 if group is None else dist.get_world_size(group)
+        self.clusters = self.delivered = 1 if group is None else dist.get_world_size(group)
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         rows = all_gather_bytes(payload, self.group, counter)

@@ -82,6 +82,9 @@ class AppliedReduction:
     """Time the training thread blocked waiting for it."""
     skipped: bool
     """It was non-finite somewhere in the model and was not applied."""
+    participants: int
+    """Clusters whose pseudo-gradients its mean holds (C unless one was lost or refused; 0:
+    none applied, or a round resumed from a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class _Reduced(NamedTuple):
     grad: torch.Tensor
     comm_s: float
     nbytes: int
+    participants: int
 
 
 def _done(result: _Reduced) -> concurrent.futures.Future:
@@ -231,8 +235,8 @@ class OuterSync:
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
         finite, local_ok = self.agree([result is None or all_finite(result.grad), math.isfinite(sq)])
         skipped = result is not None and not self._apply(result.grad, finite)
-        applied = self._landed or AppliedReduction(result.nbytes if result else 0,
-                                                   result.comm_s if result else 0.0, wait_s, skipped)
+        applied = self._landed or AppliedReduction(result.nbytes if result else 0, result.comm_s if result else 0.0,
+                                                   wait_s, skipped, result.participants if result else 0)
         self._landed = None
         if local_ok:
             anchor = self._anchor()
@@ -274,7 +278,7 @@ class OuterSync:
             for p, b, s in zip(self.params, self.views(anchor), self.views(self.round_start)):
                 p.add_(b - s)
             self.round_start.copy_(anchor)
-        self._landed = AppliedReduction(result.nbytes, result.comm_s, wait_s, skipped)
+        self._landed = AppliedReduction(result.nbytes, result.comm_s, wait_s, skipped, result.participants)
 
     @torch.no_grad()
     def finish(self) -> RoundStats | None:
@@ -305,7 +309,8 @@ class OuterSync:
             self._write_params(self.base)
         if result is None and owed is None:
             return None
-        return RoundStats(bytes_sent=nbytes, comm_s=comm_s, wait_s=wait_s, skipped=skipped,
+        participants = self.group.delivered if owed is not None else result.participants
+        return RoundStats(bytes_sent=nbytes, comm_s=comm_s, wait_s=wait_s, skipped=skipped, participants=participants,
                           outer_step=self.outer_step, iteration=self._iteration,
                           pseudo_grad_norm=0.0, pseudo_grad_sq=0.0)
 
@@ -371,7 +376,7 @@ class OuterSync:
         self._landed = None  # what an earlier run applied; this one reports only its own exchanges
         g = state["pending_grad"]
         if g is not None:
-            self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0))
+            self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0, 0))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (laid out like ``base``) cut into views shaped like ``params``."""
@@ -409,7 +414,7 @@ class OuterSync:
         start_bytes, start = self.counter.bytes, time.perf_counter()
         (g,) = self.reducer([delta], self.group)
         assert g.shape == delta.shape and g.dtype == torch.float32
-        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes)
+        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes, self.group.delivered)
 
     def _wait(self) -> tuple[_Reduced | None, float]:
         if self._inflight is None:

@@ -96,7 +96,7 @@ class MetricsLogger:
             f" [{_timestamp()}] {'outer drain' if r.drain else 'outer step '} {r.outer_step:5d}"
             f" at iteration {r.iteration:8d} |"
             f" cross-cluster bytes sent: {r.bytes_sent:12d} | comm (s): {r.comm_s:.3f} |"
-            f" wait (s): {r.wait_s:.3f} | pseudo-grad norm: {r.pseudo_grad_norm:.4E} |"
+            f" wait (s): {r.wait_s:.3f} | clusters: {r.participants} | pseudo-grad norm: {r.pseudo_grad_norm:.4E} |"
             + (f" next H: {r.local_steps} |" if r.local_steps is not None else "")
             + (f" cross-cluster bytes between boundaries: {r.cross_cluster_bytes_between_boundaries} |"
                if r.cross_cluster_bytes_between_boundaries is not None else "")
