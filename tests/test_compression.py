@@ -570,7 +570,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 def test_topk_flags_defaults_and_one_line_errors():
     comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk"]))
-    assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (2, True, 1 / 64, 4096)
+    assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (2, True, 1 / 32, 4096)
     comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk", "--no-dilocox-error-feedback",
                                                   "--dilocox-quant-bits", "4"]))
     assert (comp.bits, comp.error_feedback) == (4, False)

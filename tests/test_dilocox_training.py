@@ -119,7 +119,7 @@ def test_keep_unsent_and_flush_on_the_real_model_match_reference(runs):
     assert all(info["hash_checks"] == ITERS // H for info in infos)
     numel = infos[0]["outer_numel"]
     last = [r for r in read_jsonl(runs / "topk_c4_unsent_flush.metrics.jsonl") if "outer_step" in r][-1]
-    assert last["drain"] and last["bytes_sent"] == (HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2)
+    assert last["drain"] and last["bytes_sent"] == (HEADER_BYTES + topk_bytes(numel, 1024, 1 / 32, 2)
                                                     + int8_flush_bytes(infos[0]["outer_numels"]))
 
 
@@ -206,7 +206,7 @@ def test_topk_rounds(runs):
     assert all(info["hash_checks"] == ITERS // H for info in infos)
     applied = [r for r in read_jsonl(runs / "topk.metrics.jsonl") if "outer_step" in r and r["bytes_sent"]]
     numel = infos[3]["outer_numel"]
-    payload = HEADER_BYTES + topk_bytes(numel, 1024, 1 / 64, 2)
+    payload = HEADER_BYTES + topk_bytes(numel, 1024, 1 / 32, 2)
     assert [r["bytes_sent"] for r in applied] == [payload + 32] + [payload] * (ITERS // H - 2) + [payload + int8_flush_bytes(infos[3]["outer_numels"])]
     for r in applied:
         assert r["compression_ratio"] == 4 * infos[3]["outer_numel"] / payload > 50

@@ -74,14 +74,14 @@ def test_topk_codec_bytes_are_the_reducers(bits):
 
 
 def test_final_flush_bytes_match_the_measured_quickstart():
-    """The quickstart's last record (README table, 2026-12-02) sent 1,649,580 B from the last
-    stage: its drained topk round (44,788 B) and the int8 flush of the residual, whose bytes the
+    """The quickstart's last record (README table, 2026-12-02, density 1/32) sent 1,661,924 B from
+    the last stage: its drained topk round (57,132 B) and the int8 flush of the residual, whose bytes the
     plan reports once; without error feedback there is no flush."""
     lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=16)
     mach = pl.Machine(gpus_per_cluster=2)
     p = pl.plan(pl.ModelShape(**QS), lay, DiLoCoXConfig(), CompressionConfig(), mach)
-    assert p.dilocox["payload_per_stage"][1] == 44_788
-    assert p.dilocox["flush_per_stage"][1] == 1_649_580 - 44_788
+    assert p.dilocox["payload_per_stage"][1] == 57_132
+    assert p.dilocox["flush_per_stage"][1] == 1_661_924 - 57_132
     none = pl.plan(pl.ModelShape(**QS), lay, DiLoCoXConfig(), CompressionConfig(codec="none"), mach)
     assert none.dilocox["flush_per_rank"] == 0
 
