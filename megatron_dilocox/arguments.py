@@ -325,10 +325,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "--dilocox with --use-distributed-optimizer and --pipeline-model-parallel-size > 1 needs "
                  "--untie-embeddings-and-output-weights (tied copies on two stages are kept equal by "
                  "mirroring whole tensors, which a sharded optimizer does not hold)")
-        config = dilocox_config(args)
+        config, compression = dilocox_config(args), compression_config(args)
         try:
             config.validate()
-            compression_config(args).validate()
+            compression.validate()
             exchange_config(args).validate(args.clusters)
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -337,7 +337,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             _require(config.max_local_steps is None,
                      "--dilocox-max-local-steps (adaptive H) needs every cluster's timings each round, which "
                      "clusters joined by --dilocox-lighthouse do not share yet")
-            _require(not compression_config(args).codec.startswith("lowrank"),
+            _require(not compression.codec.startswith("lowrank"),
                      f"--dilocox-compression {args.dilocox_compression} needs two exchanges per round, which "
                      "--dilocox-lighthouse does not support yet (use topk, quantize or none)")
     else:

@@ -221,10 +221,11 @@ class ExchangeLink:
     def __init__(self, exchange: ClusterExchange, settle_group=None, audit=None):
         self.exchange, self.settle_group, self.audit = exchange, settle_group, audit
         self.cluster, self.clusters = exchange.config.cluster_index, exchange.clusters
-        self.delivered = self.clusters
-        self.last: Delivery | None = None
-        """The last exchange's delivery (who took part, who was dropped and why)."""
-        self._used: list[int] = []
+        self._used = list(range(self.clusters))  # the clusters the last exchange delivered
+
+    @property
+    def delivered(self) -> int:
+        return len(self._used)
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         check = None if verify is None else (lambda cluster, _round, body: verify(cluster, body))
@@ -241,14 +242,12 @@ class ExchangeLink:
             for c in set(delivery.clusters) - set(used):
                 delivery.dropped[c] = "not delivered to every rank of this cluster"
         rows = [body for c, body in zip(delivery.clusters, delivery.payloads) if c in used]
-        if self.last is None or used != self._used:
+        if used != self._used and dist.get_rank() == 0:  # a membership change: one line per cluster job
             missing = sorted(set(range(self.clusters)) - set(used))
-            if missing or self.last is not None:
-                reasons = "; ".join(f"cluster {c}: {delivery.dropped.get(c, 'not in the quorum')}" for c in missing)
-                if dist.get_rank() == 0:  # one line per cluster job
-                    print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
-                          f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
-        self.last, self._used, self.delivered = delivery, used, len(used)
+            reasons = "; ".join(f"cluster {c}: {delivery.dropped.get(c, 'not in the quorum')}" for c in missing)
+            print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
+                  f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
+        self._used = used
         return Gathered(torch.stack(rows), used)
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:

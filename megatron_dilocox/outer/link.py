@@ -112,8 +112,9 @@ class GroupLink:
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         rows = all_gather_bytes(payload, self.group, counter)
         senders = list(range(rows.shape[0]))
-        for k in senders if verify is not None else ():
-            verify(k, rows[k])
+        if verify is not None:
+            for k in senders:
+                verify(k, rows[k])
         return Gathered(rows, senders)
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
