@@ -100,6 +100,9 @@ class RoundStats(AppliedReduction):
     """L2 norm of this rank's local ``delta`` (its shard only)."""
     pseudo_grad_sq: float
     """Squared L2 norm of the local ``delta``; sum it within the cluster for the global norm."""
+    codec: dict | None = None
+    """The reducer's account of the last reduction applied (a compressed reducer's
+    ``last_stats``, taken as that reduction finished), or None."""
 
 
 class ByteCounter:
@@ -133,6 +136,7 @@ class _Reduced(NamedTuple):
     comm_s: float
     nbytes: int
     participants: int
+    codec: dict | None  # the reducer's last_stats, taken right after this reduction
 
 
 def _done(result: _Reduced) -> concurrent.futures.Future:
@@ -215,6 +219,7 @@ class OuterSync:
         self._iteration = 0
         self._inflight: concurrent.futures.Future | None = None
         self._landed: AppliedReduction | None = None  # by land(), for the next boundary to report
+        self._codec: dict | None = None  # RoundStats.codec
         # One worker: reductions run one at a time, in launch order, on every rank.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
@@ -234,6 +239,7 @@ class OuterSync:
         result, wait_s = self._wait()
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
         finite, local_ok = self.agree([result is None or all_finite(result.grad), math.isfinite(sq)])
+        self._codec = result.codec if result is not None else self._codec
         skipped = result is not None and not self._apply(result.grad, finite)
         applied = self._landed or AppliedReduction(result.nbytes if result else 0, result.comm_s if result else 0.0,
                                                    wait_s, skipped, result.participants if result else 0)
@@ -258,7 +264,7 @@ class OuterSync:
             self._submit(delta)  # hands delta over to the worker; no more reads here
 
         return RoundStats(**asdict(applied), outer_step=self.outer_step, iteration=iteration,
-                          pseudo_grad_norm=math.sqrt(sq), pseudo_grad_sq=sq)
+                          pseudo_grad_norm=math.sqrt(sq), pseudo_grad_sq=sq, codec=self._codec)
 
     @torch.no_grad()
     def land(self) -> None:
@@ -279,6 +285,7 @@ class OuterSync:
                 p.add_(b - s)
             self.round_start.copy_(anchor)
         self._landed = AppliedReduction(result.nbytes, result.comm_s, wait_s, skipped, result.participants)
+        self._codec = result.codec
 
     @torch.no_grad()
     def finish(self) -> RoundStats | None:
@@ -312,7 +319,8 @@ class OuterSync:
         participants = self.group.delivered if owed is not None else result.participants
         return RoundStats(bytes_sent=nbytes, comm_s=comm_s, wait_s=wait_s, skipped=skipped, participants=participants,
                           outer_step=self.outer_step, iteration=self._iteration,
-                          pseudo_grad_norm=0.0, pseudo_grad_sq=0.0)
+                          pseudo_grad_norm=0.0, pseudo_grad_sq=0.0,
+                          codec=result.codec if result is not None else self._codec)
 
     def close(self) -> None:
         """Stops the worker thread (waits for a running reduction)."""
@@ -376,7 +384,7 @@ class OuterSync:
         self._landed = None  # what an earlier run applied; this one reports only its own exchanges
         g = state["pending_grad"]
         if g is not None:
-            self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0, 0))
+            self._inflight = _done(_Reduced(g.to(self.base.device, torch.float32, copy=True), 0.0, 0, 0, None))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (laid out like ``base``) cut into views shaped like ``params``."""
@@ -412,9 +420,13 @@ class OuterSync:
     def _reduce(self, delta: torch.Tensor) -> _Reduced:
         # Runs in the worker thread; owns ``delta`` (a private tensor) and nothing else.
         start_bytes, start = self.counter.bytes, time.perf_counter()
+        if self.config.emulated_delay_s > 0:
+            time.sleep(self.config.emulated_delay_s)  # a slow link, for benchmarks and tests
         (g,) = self.reducer([delta], self.group)
         assert g.shape == delta.shape and g.dtype == torch.float32
-        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes, self.group.delivered)
+        codec = getattr(self.reducer, "last_stats", None)  # read here: the next reduction replaces it
+        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes, self.group.delivered,
+                        dict(codec) if codec else None)
 
     def _wait(self) -> tuple[_Reduced | None, float]:
         if self._inflight is None:

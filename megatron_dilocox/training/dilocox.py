@@ -25,14 +25,6 @@ from megatron_dilocox.topology import Topology
 from megatron_dilocox.training.round_record import CodecRound, OuterRound
 
 
-def _delayed(reduce, delay_s: float):
-    """``reduce`` made ``delay_s`` seconds slower (emulates a slow link)."""
-    def delayed(tensors, group):
-        time.sleep(delay_s)
-        return reduce(tensors, group)
-    return delayed
-
-
 class DiLoCoX:
     """Round boundaries of one rank: every ``H`` inner steps, an :class:`OuterSync` step."""
 
@@ -60,8 +52,6 @@ class DiLoCoX:
         shapes = [p.shape for p in self.outer_params]
         if compression.codec != "none":
             self.compressor = reduce = CompressedReducer(shapes, compression, counter=self.counter, seed=seed)
-        if config.emulated_delay_s > 0:
-            reduce = _delayed(reduce, config.emulated_delay_s)
         residual = lambda: self.compressor.residual  # noqa: E731
         flush_reducer = None
         if compression.flush_residual:
@@ -163,9 +153,9 @@ class DiLoCoX:
     def _codec_round(self, stats: RoundStats) -> CodecRound | None:
         """The compressor's account of the reduction applied at this call (in the overlapping
         modes: the previous round's); None without compression or without a reduction."""
-        if self.compressor is None or not self.compressor.last_stats or not stats.bytes_sent:
+        last = stats.codec
+        if last is None or not stats.bytes_sent:
             return None
-        last = self.compressor.last_stats
         return CodecRound(dense_bytes=last["dense_bytes"], compression_ratio=last["ratio"],
                           rel_error=last["rel_error"], mean_rank=last["mean_rank"],
                           codec_s=last["encode_s"] + last["decode_s"], residual_ratio=last["residual_ratio"])
