@@ -184,6 +184,15 @@ def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
     capsys.readouterr()
     assert cs.main(argv) == 0  # resumed: both runs are done, nothing is launched
     assert "> [" not in capsys.readouterr().out
+    # A run made on other data (the corpus rebuilt in another environment) is refused, not mixed in.
+    done = tmp_path / "s" / "runs" / "DiLoCoX" / "seed1" / "done.json"
+    summary = json.loads(done.read_text())
+    data_bin = next(name for name in summary["data"] if name.endswith(".bin"))
+    assert len(summary["data"][data_bin]) == 64  # a SHA-256 of the dataset itself
+    summary["data"][data_bin] = "0" * 64
+    done.write_text(json.dumps(summary))
+    with pytest.raises(SystemExit, match="was run on other data"):
+        cs.main(argv)
 
 
 def test_metrics_reader_skips_an_unfinished_last_line_and_names_a_bad_one(tmp_path):

@@ -164,6 +164,29 @@ def train_split_tokens(prefix: str, split: str) -> int:
     return split_tokens(_IndexReader(prefix + ".idx", multimodal=False), train_bounds)[1]
 
 
+def data_fingerprint(pretrain: list[str]) -> dict:
+    """What the runs train and validate on: SHA-256 of the dataset's .bin and .idx and of the
+    tokenizer model, so that a study never mixes runs made on different data (the large corpus
+    depends on the installed packages, docs/data.md)."""
+    import hashlib
+
+    def sha256(path: str) -> str:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    from megatron_dilocox import arguments
+
+    args, _ = arguments.build_parser().parse_known_args(pretrain)
+    prefixes = [p for p in args.data_path or [] if not p.replace(".", "", 1).isdigit()]  # a blend's weights
+    facts = {f"{Path(p).name}{ext}": sha256(p + ext) for p in prefixes for ext in (".bin", ".idx")}
+    if args.tokenizer_model:
+        facts[Path(args.tokenizer_model).name] = sha256(args.tokenizer_model)
+    return facts
+
+
 class Study:
     """Plans, runs (or skips, when finished) and summarizes the runs of one study."""
 
@@ -214,6 +237,10 @@ class Study:
         if (summary["flags"], summary["nproc"]) != (self.flags(method, seed), self.args.nproc):
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other flags; "
                              "use another --out or remove that folder")
+        if "data" in summary and summary["data"] != self.cfg["data"]:  # absent in records made before it was
+            raise SystemExit(f"convergence_study.py: error: {path.parent} was run on other data (its done.json "
+                             f"records {summary['data']}, {', '.join(self.cfg['data']) or 'no file'} differ now); "
+                             "use another --out or the data it was run on")
         # Absent in runs recorded before settings were; a setting added since (a new flag, whose
         # default keeps what the code did before) is not compared.
         recorded = summary.get("settings") or {}
@@ -305,7 +332,7 @@ class Study:
             raise SystemExit(f"convergence_study.py: error: {label} failed: {err}") from None
         summary = summarize_run(folder / "metrics.jsonl")
         summary.update(method=method, seed=seed, flags=self.flags(method, seed), nproc=self.args.nproc,
-                       settings=self.settings(method, seed), run_s=time.monotonic() - start)
+                       settings=self.settings(method, seed), data=self.cfg["data"], run_s=time.monotonic() - start)
         tmp = folder / "done.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, folder / "done.json")
@@ -442,6 +469,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = check_args(parser, args)
     cfg["facts"] = facts = setting_facts(cfg["pretrain"])
+    cfg["data"] = data_fingerprint(cfg["pretrain"])
     if facts.get("train_split_tokens") is not None and facts["train_tokens"] > facts["train_split_tokens"]:
         parser.error(f"the runs need {facts['train_tokens']:,} training tokens but the training split holds "
                      f"{facts['train_split_tokens']:,}: the data would repeat (fewer --train-iters or more data)")

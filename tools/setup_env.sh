@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv, installs the pinned CPU dependencies and this package into it, and puts it first on
+# Creates .venv, installs the pinned CPU dependencies (requirements-cpu.txt, every other package at
+# its version in constraints-cpu.txt) and this package into it, and puts it first on
 # PATH: `source tools/setup_env.sh`. Does nothing when already up to date.
 # The install runs in a subshell under `set -euo pipefail`, so the caller's shell options and
 # variables stay as they were; a failed install makes `source` return non-zero, which stops a
@@ -12,16 +13,16 @@ _setup_env_venv="${VENV:-$_setup_env_root/.venv}"
   VENV=$_setup_env_venv
   PYTHON="${PYTHON:-python3}"
   STAMP="$VENV/.megatron-dilocox-installed"
-  WANT="$(cat "$ROOT/requirements-cpu.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+  WANT="$(cat "$ROOT/requirements-cpu.txt" "$ROOT/constraints-cpu.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
   if [ ! -x "$VENV/bin/python" ]; then
     echo "> creating virtual environment $VENV"
     "$PYTHON" -m venv "$VENV"
   fi
   if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "> installing pinned dependencies (torch CPU build, megatron-core, ...) into $VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -c "$ROOT/constraints-cpu.txt" pip
     # torch first, pinned, so nothing pulls a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements-cpu.txt"
+    "$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements-cpu.txt" -c "$ROOT/constraints-cpu.txt"
     "$VENV/bin/python" -m pip install --quiet --no-deps -e "$ROOT"
     echo "$WANT" > "$STAMP"
   fi
