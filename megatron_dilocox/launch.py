@@ -7,7 +7,9 @@ Starts a Lighthouse (unless ``--lighthouse`` names a running one) and C torchrun
 its own rendezvous and ``--dilocox-lighthouse ADDR --dilocox-cluster-index K --dilocox-clusters C``
 added to the script's flags, so that no collective crosses clusters except the outer exchange.
 Every job's output is printed with a ``[cluster K]`` prefix. A cluster that dies does not stop
-the others (they go on without it, docs/reliability.md). The exit status is 0 when at least one
+the others (they go on without it, docs/reliability.md); with ``--max-restarts N`` torchrun
+starts a cluster's failed workers again, up to N times, and the cluster rejoins the running
+ones, taking the global parameters and outer state from a live peer. The exit status is 0 when at least one
 cluster finished, else the first failed cluster's; the lost clusters are named either way.
 Across machines, run ``torchft_lighthouse`` yourself and one torchrun per cluster with the same
 flags (docs/reliability.md).
@@ -38,16 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--clusters", type=int, required=True, help="C: clusters, one torchrun job each")
     p.add_argument("--nproc-per-cluster", type=int, default=1, help="ranks per cluster (TP x PP x DP_in)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="times torchrun may restart a cluster whose worker failed (it then rejoins the others)")
     p.add_argument("--lighthouse", default=None,
                    help="HOST:PORT of a running torchft Lighthouse (default: start one on a free local port)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py and its flags")
     return p
 
 
-def cluster_command(script: list[str], k: int, clusters: int, nproc: int, lighthouse: str) -> list[str]:
+def cluster_command(script: list[str], k: int, clusters: int, nproc: int, lighthouse: str,
+                    max_restarts: int = 0) -> list[str]:
     """The torchrun command line of cluster ``k``."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *script,
+            f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *script,
             "--dilocox-lighthouse", lighthouse, "--dilocox-cluster-index", str(k),
             "--dilocox-clusters", str(clusters)]
 
@@ -65,8 +70,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: give the training script after --, e.g. -- pretrain_gpt.py --dilocox ...",
               file=sys.stderr)
         return 2
-    if args.clusters < 1 or args.nproc_per_cluster < 1:
-        print(f"{PROG}: error: --clusters and --nproc-per-cluster must be >= 1", file=sys.stderr)
+    if args.clusters < 1 or args.nproc_per_cluster < 1 or args.max_restarts < 0:
+        print(f"{PROG}: error: --clusters and --nproc-per-cluster must be >= 1, --max-restarts >= 0", file=sys.stderr)
         return 2
     if any(flag.split("=")[0] in ("--dilocox-lighthouse", "--dilocox-cluster-index", "--dilocox-clusters")
            for flag in script):
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
 
     procs, pumps = [], []
     for k in range(args.clusters):
-        proc = subprocess.Popen(cluster_command(script, k, args.clusters, args.nproc_per_cluster, lighthouse),
+        proc = subprocess.Popen(cluster_command(script, k, args.clusters, args.nproc_per_cluster, lighthouse,
+                                                args.max_restarts),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # a Ctrl-C reaches the jobs through us only
         procs.append(proc)

@@ -5,7 +5,8 @@
 
 Every round it sends a framed fp32 "pseudo-gradient" drawn from (cluster, round), adds the mean of
 the delivered ones to its "global parameters" ``w`` and prints one JSON line: the round, the
-clusters used and dropped, whether it healed, and ``w``'s digest. It stops once ``ROUNDS`` rounds
+clusters used and dropped, whether it healed, and ``w``'s digest (its SHA-256 is the payload's
+fingerprint, so a cluster whose ``w`` differs is dropped). It stops once ``ROUNDS`` rounds
 are committed (a restarted cluster takes its peers' count when it heals). ``--hold-round`` waits
 before that round until ``--hold-file`` exists (so that survivors are still running when a
 restarted cluster has finished its imports).
@@ -72,7 +73,9 @@ def main() -> None:
         payload = wire.frame(pseudo_gradient(a.cluster, rnd).view(torch.uint8), header(a.cluster, rnd))
         if rnd == a.corrupt_round:
             payload[-1] ^= 0x5A  # a bit flip in the body: the checksum must catch it
-        got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)))
+        # The fingerprint of w: after a heal the restarted cluster's must equal everyone's again.
+        got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)),
+                          fingerprint=hashlib.sha256(w.numpy().tobytes()).digest())
         acc = torch.zeros(NUMEL)
         for body in got.payloads:
             acc += body[wire.HEADER_BYTES:].view(torch.float32)

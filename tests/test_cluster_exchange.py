@@ -114,7 +114,7 @@ def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tm
     # The restarted cluster healed from a peer's state at its first round and went on with everyone.
     first = c2b.rounds()[0]
     assert first["round"] == HOLD and first["healed"] and first["dropped"] == {
-        "2": "healed this round (its payload was computed on stale state)"}
+        "2": "sent no payload this round (it healed: its state was stale)"}
     assert first["healed_digest"] == by_round[HOLD - 1][0]["digest"]
     # The corrupt payload was dropped and named on every member, the round applied without it.
     for r in by_round[CORRUPT]:

@@ -8,12 +8,14 @@ so the ranks that hold the same shard in every live cluster exchange with each o
 1. **Quorum.** ``start_quorum`` returns the live clusters. A cluster whose committed-round count
    is behind the others (a restarted one) is healed inside it: torchft fetches a live peer's
    ``state_dict`` over HTTP and hands it to ``load_state_dict``; the healed cluster's own payload
-   was computed on stale state, so it sends none this round (``valid`` 0).
-2. **Payloads.** Every member all-gathers an envelope (cluster, round, valid, length) plus its
-   payload. Each rank checks what it received (the envelope, then the caller's ``verify``, for
-   example the codec frame's checksum), and the members all-gather their verdicts: a payload
-   is used only if every member accepted it, so every survivor applies the same set of
-   clusters, and a corrupt one is dropped and named.
+   was computed on stale state, so it sends none this round (``valid`` 0; a caller may also send
+   none, ``valid=False``).
+2. **Payloads.** Every member all-gathers an envelope (cluster, round, valid, length, and the
+   caller's ``fingerprint`` of the state the payload was computed from) plus its payload. Each
+   rank checks what it received (the envelope, a fingerprint equal to its own, then the caller's
+   ``verify``, for example the codec frame's checksum), and the members all-gather their
+   verdicts: a payload is used only if every member accepted it, so every survivor applies the
+   same set of clusters, and a corrupt one is dropped and named.
 3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
    a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
    with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
@@ -40,6 +42,8 @@ from megatron_dilocox.errors import ClusterLossError, ConfigError
 from megatron_dilocox.outer.link import Gathered, Verify, count, gathered_mean
 
 ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
+FINGERPRINT_BYTES = 32  # then the sender's fingerprint (a SHA-256) of the state its payload came from
+DIFFERENT_STATE = "its fingerprint differs from this cluster's"
 
 
 def _not_flight_recorder(record: logging.LogRecord) -> bool:
@@ -113,11 +117,16 @@ class ClusterExchange:
         """Rounds committed so far (a healed cluster takes its peers' count)."""
         return self.manager.current_step()
 
-    def exchange(self, payload: torch.Tensor, verify: Callable[[int, int, torch.Tensor], None] | None = None) -> Delivery:
+    def exchange(self, payload: torch.Tensor, verify: Callable[[int, int, torch.Tensor], None] | None = None,
+                 fingerprint: bytes = bytes(FINGERPRINT_BYTES), valid: bool = True) -> Delivery:
         """All-gathers ``payload`` (CPU uint8, the same size on every cluster) with the live clusters.
 
         ``verify(cluster, round, payload)`` raises ``ValueError`` for a payload that must not be used
-        (``round`` as :attr:`round` counts it, before the commit).
+        (``round`` as :attr:`round` counts it, before the commit). ``fingerprint``
+        (``FINGERPRINT_BYTES``): what every member's state must hash to; a payload sent with
+        another is dropped (unless this cluster has just healed: its own state was stale).
+        ``valid`` False: this cluster sends no payload this round (it takes part in the quorum
+        and receives the others').
         Returns the committed round's delivery; raises :class:`ClusterLossError` if no round
         commits within ``failure_timeout_s``.
         """
@@ -142,13 +151,14 @@ class ClusterExchange:
                 time.sleep(0.5)  # the first round waits for every cluster (a lone first one would commit alone)
                 begin = time.monotonic()
                 continue
-            mine = self._envelope(payload, mgr.current_step(), valid=not healed)
+            mine = self._envelope(payload, mgr.current_step(), fingerprint, valid=valid and not healed)
             decoded = verdicts = None
             if not mgr.errored():
                 try:
                     rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
                     self.pg.allgather([rows], [mine], AllgatherOptions()).wait()
-                    decoded = [self._open(row, mgr.current_step(), payload.numel(), verify) for row in rows]
+                    decoded = [self._open(row, mgr.current_step(), payload.numel(), verify,
+                                          None if healed else fingerprint) for row in rows]
                     ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
                     verdicts = [torch.empty_like(ok) for _ in rows]
                     self.pg.allgather([verdicts], [ok], AllgatherOptions()).wait()
@@ -182,20 +192,27 @@ class ClusterExchange:
             raise ClusterLossError(f"cluster {self.config.cluster_index}: no outer round committed within "
                                    f"--dilocox-failure-timeout-s {self.config.failure_timeout_s:g} ({why})")
 
-    def _envelope(self, payload: torch.Tensor, step: int, valid: bool) -> torch.Tensor:
+    def _envelope(self, payload: torch.Tensor, step: int, fingerprint: bytes, valid: bool) -> torch.Tensor:
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
         head = torch.tensor([self.config.cluster_index, step, int(valid), payload.numel()], dtype=torch.int64)
         body = payload if valid else torch.zeros_like(payload)
-        return torch.cat([head.view(torch.uint8), body])
+        return torch.cat([head.view(torch.uint8), torch.frombuffer(bytearray(fingerprint), dtype=torch.uint8), body])
 
     @staticmethod
-    def _open(row: torch.Tensor, step: int, numel: int, verify) -> tuple[int, torch.Tensor, str | None]:
-        """(cluster, payload, None) or, for a payload that must not be used, (cluster, payload, why)."""
+    def _open(row: torch.Tensor, step: int, numel: int, verify,
+              fingerprint: bytes | None) -> tuple[int, torch.Tensor, str | None]:
+        """(cluster, payload, None) or, for a payload that must not be used, (cluster, payload, why);
+        ``fingerprint`` None: not compared."""
         cluster, sent_step, valid, length = row[: ENVELOPE * 8].view(torch.int64).tolist()
-        body = row[ENVELOPE * 8:]
+        theirs = row[ENVELOPE * 8: ENVELOPE * 8 + FINGERPRINT_BYTES].numpy().tobytes()
+        body = row[ENVELOPE * 8 + FINGERPRINT_BYTES:]
         if not valid:
-            return cluster, body, "healed this round (its payload was computed on stale state)"
+            return cluster, body, "sent no payload this round (it healed: its state was stale)"
         if (sent_step, length) != (step, numel):
             return cluster, body, f"envelope says round {sent_step} and {length} bytes, expected {step} and {numel}"
+        if fingerprint is not None and theirs != fingerprint:
+            return cluster, body, f"{DIFFERENT_STATE} ({theirs.hex()[:16]} against {fingerprint.hex()[:16]})"
         try:
             if verify is not None:
                 verify(cluster, step, body)
@@ -206,30 +223,58 @@ class ClusterExchange:
 
 class ExchangeLink:
     """The outer link (:mod:`~megatron_dilocox.outer.link`) of a cluster that runs as its own job:
-    every exchange is one committed round of ``exchange``, and a payload counts only if every
-    rank of this cluster got it (``settle_group``: a gloo group over the cluster, used by this
-    link alone; None for a one-rank cluster). Each rank exchanges its own shard with its own
-    quorum group, so a lost or corrupt cluster may be missing from one shard's delivery and not
-    another's; the ranks take the intersection (one all-reduce of a C-entry mask), and every
-    cluster computes the same one, so every survivor applies the same clusters to every shard.
-    ``audit``: the run's CommAudit, told the bytes sent (torch.distributed does not see them).
+    every exchange is one committed round of a :class:`ClusterExchange` (made here, one per rank),
+    and a payload counts only if every rank of this cluster got it (``settle_group``: a gloo group
+    over the cluster, used by this link alone; None for a one-rank cluster). Each rank exchanges
+    its own shard with its own quorum group, so a lost or corrupt cluster may be missing from one
+    shard's delivery and not another's; the ranks take the intersection (one all-reduce of a
+    C-entry mask), and every cluster computes the same one, so every survivor applies the same
+    clusters to every shard. ``audit``: the run's CommAudit, told the bytes sent (torch.distributed
+    does not see them).
 
-    A cluster that died and is started again would have to be healed from a live peer's state;
-    that is not supported yet, so its ``load_state_dict`` stops it with an error.
+    The outer loop that owns the link sets, before its first exchange:
+
+    * ``fingerprint() -> bytes``: a SHA-256 of the state its payloads are computed from (global
+      parameters and settings); a payload whose sender's differs is dropped, and at the first
+      round, where every cluster starts from the same weights, that stops the run;
+    * ``serve() -> state``: what a restarted cluster needs to continue (called by torchft while
+      a round runs, when a peer heals; it must return copies);
+    * ``on_heal(state)``: applies a live peer's ``serve()`` when this cluster heals, in the thread
+      that called :meth:`all_gather`, before that exchange's payloads are checked.
+
+    Exchanges start no extra collectives of their own (the fingerprint travels in each payload's
+    envelope), so a cluster that restarts while the others run can take part in the round they
+    are in: torchft heals it, it sends no payload that round and receives the others'.
     """
 
-    def __init__(self, exchange: ClusterExchange, settle_group=None, audit=None):
-        self.exchange, self.settle_group, self.audit = exchange, settle_group, audit
-        self.cluster, self.clusters = exchange.config.cluster_index, exchange.clusters
+    verifies_state = True  # the fingerprint stands in for the start-up hash and the codec handshake
+
+    def __init__(self, config: ExchangeConfig, clusters: int, *, rank: int, world_size: int, store_addr: str,
+                 store_port: int, settle_group=None, audit=None):
+        self.exchange = ClusterExchange(config, clusters, rank=rank, world_size=world_size, store_addr=store_addr,
+                                        store_port=store_port, state_dict=self._serve, load_state_dict=self._heal)
+        self.settle_group, self.audit = settle_group, audit
+        self.cluster, self.clusters = config.cluster_index, clusters
+        self.fingerprint: Callable[[], bytes] | None = None
+        self.serve: Callable[[], Any] | None = None
+        self.on_heal: Callable[[Any], None] | None = None
         self._used = list(range(self.clusters))  # the clusters the last exchange delivered
+        self._abstain = False
 
     @property
     def delivered(self) -> int:
         return len(self._used)
 
+    def abstain_next(self) -> None:
+        """The next exchange sends no payload from this cluster (its progress is stale)."""
+        self._abstain = True
+
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         check = None if verify is None else (lambda cluster, _round, body: verify(cluster, body))
-        delivery = self.exchange.exchange(payload, check)
+        fingerprint = self.fingerprint() if self.fingerprint is not None else bytes(FINGERPRINT_BYTES)
+        delivery = self.exchange.exchange(payload, check, fingerprint, valid=not self._abstain)
+        sat_out = self._abstain or delivery.healed
+        self._abstain = False
         count(counter, payload.numel())
         if self.audit is not None:
             self.audit.count_exchange(payload.numel())
@@ -241,6 +286,11 @@ class ExchangeLink:
             used = [c for c in used if mask[c]]
             for c in set(delivery.clusters) - set(used):
                 delivery.dropped[c] = "not delivered to every rank of this cluster"
+        differ = {c: why for c, why in delivery.dropped.items() if why.startswith(DIFFERENT_STATE)}
+        if delivery.round == 0 and differ:
+            raise RuntimeError("DiLoCoX replicas start from different weights or settings (cluster "
+                               f"{self.cluster} against " + "; ".join(f"cluster {c}: {w}" for c, w in differ.items())
+                               + "): every cluster needs the same --seed, model and DiLoCoX flags")
         rows = [body for c, body in zip(delivery.clusters, delivery.payloads) if c in used]
         if used != self._used and dist.get_rank() == 0:  # a membership change: one line per cluster job
             missing = sorted(set(range(self.clusters)) - set(used))
@@ -248,10 +298,29 @@ class ExchangeLink:
             print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
                   f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
         self._used = used
-        return Gathered(torch.stack(rows), used)
+        empty = torch.empty(0, payload.numel(), dtype=torch.uint8)
+        return Gathered(torch.stack(rows) if rows else empty, used, sat_out)
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         return gathered_mean(self, tensors, counter)
 
     def close(self) -> None:
         self.exchange.close()
+
+    def state_dict(self) -> dict:
+        """The rounds committed so far: a cluster resumed from an older checkpoint than the
+        others is then behind them, and torchft heals it from a live peer."""
+        return self.exchange.manager.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.exchange.manager.load_state_dict(state)
+
+    def _serve(self):
+        if self.serve is None:
+            raise RuntimeError("a cluster asked for this cluster's state before its outer loop was set up")
+        return self.serve()
+
+    def _heal(self, state) -> None:
+        if self.on_heal is None:
+            raise RuntimeError("this cluster was healed before its outer loop was set up")
+        self.on_heal(state)

@@ -78,7 +78,9 @@ class Gathered(NamedTuple):
     rows: torch.Tensor
     """CPU uint8 ``(n, payload bytes)``: one row per delivering cluster."""
     senders: list[int]
-    """The cluster of each row, ascending; this rank's own is among them."""
+    """The cluster of each row, ascending; this rank's own is among them unless ``sat_out``."""
+    sat_out: bool = False
+    """This cluster sent no payload this round (it was healed from a peer, its own was stale)."""
 
 
 class OuterLink(Protocol):
@@ -88,6 +90,9 @@ class OuterLink(Protocol):
     """C, the clusters of the run (a round may deliver fewer)."""
     delivered: int
     """The clusters the last exchange delivered (C before the first)."""
+    verifies_state: bool
+    """Whether every exchange checks that the senders' states agree (then the outer loop needs no
+    start-up hash or codec handshake of its own)."""
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         """Every delivering cluster's ``payload`` (CPU uint8, the same size everywhere)."""
@@ -98,11 +103,19 @@ class OuterLink(Protocol):
     def close(self) -> None:
         """Leaves the exchange (at the end of training)."""
 
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of the link (None: nothing)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`."""
+
 
 class GroupLink:
     """The link over a torch.distributed group of one rank per cluster; None: a single cluster
     (nothing is sent). A payload that fails ``verify`` fails the round on every rank alike: all
     of them received the same bytes."""
+
+    verifies_state = False
 
     def __init__(self, group):
         self.group = group
@@ -132,6 +145,13 @@ class GroupLink:
     def close(self) -> None:
         pass  # the group is the run's, destroyed with its process group
 
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        raise ValueError("the checkpoint was saved by a cluster running as its own job (--dilocox-lighthouse); "
+                         "resume it the same way")
+
 
 def as_link(group_or_link) -> OuterLink:
     """A link as it is; a process group (or None) as its :class:`GroupLink`."""
@@ -144,11 +164,11 @@ def gathered_mean(link: OuterLink, tensors: list[torch.Tensor], counter=None) ->
     division on every device), so every receiving rank runs the same exactly rounded operations."""
     flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
     got = link.all_gather(flat.view(torch.uint8), counter)
-    total = None
+    total = torch.zeros_like(flat) if not got.senders else None  # no cluster delivered (this one sat out)
     for row in got.rows:
         values = row.view(torch.float32)
         total = values.clone() if total is None else total.add_(values)
-    total.div_(torch.tensor(float(len(got.senders))))
+    total.div_(torch.tensor(float(max(1, len(got.senders)))))
     offset = 0
     for t in tensors:
         t.copy_(total[offset: offset + t.numel()].view_as(t))

@@ -50,6 +50,7 @@ restarts from ``base`` at once instead of training on NaN.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import functools
 import math
 import threading
@@ -137,6 +138,7 @@ class _Reduced(NamedTuple):
     nbytes: int
     participants: int
     codec: dict | None  # the reducer's last_stats, taken right after this reduction
+    joined: dict | None = None  # a live peer's serve(), when this cluster healed in this reduction
 
 
 def _done(result: _Reduced) -> concurrent.futures.Future:
@@ -220,6 +222,10 @@ class OuterSync:
         self._inflight: concurrent.futures.Future | None = None
         self._landed: AppliedReduction | None = None  # by land(), for the next boundary to report
         self._codec: dict | None = None  # RoundStats.codec
+        self._launched = {"outer_step": 0, "iteration": 0}  # where the in-flight reduction was launched
+        self._joining: dict | None = None  # a peer's state, handed over within the running reduction
+        self.joined_at: int | None = None  # see join()
+        self._stale = False  # the live params hold progress made before a join
         # One worker: reductions run one at a time, in launch order, on every rank.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
@@ -244,7 +250,13 @@ class OuterSync:
         applied = self._landed or AppliedReduction(result.nbytes if result else 0, result.comm_s if result else 0.0,
                                                    wait_s, skipped, result.participants if result else 0)
         self._landed = None
-        if local_ok:
+        stale, self._stale = self._stale, False
+        if stale:  # joined: what this replica trained since is on stale weights, so it is dropped
+            self.round_start.copy_(self._anchor())
+            if mode != "sync":  # and the round launched now sends nothing (sync sent it already, sat out)
+                delta.zero_()
+                self.group.abstain_next()
+        elif local_ok:
             anchor = self._anchor()
             if self._carry:
                 torch.sub(anchor, delta, alpha=self._carry, out=self.round_start)
@@ -279,7 +291,11 @@ class OuterSync:
             return
         (finite,) = self.agree([all_finite(result.grad)])
         skipped = not self._apply(result.grad, finite)
-        if not skipped:  # a skipped average leaves the carry in place, as at a boundary
+        stale, self._stale = self._stale, False
+        if stale:  # joined: the replica restarts from the joined global parameters
+            self.round_start.copy_(self._anchor())
+            self._write_params(self.round_start)
+        elif not skipped:  # a skipped average leaves the carry in place, as at a boundary
             anchor = self._anchor()
             for p, b, s in zip(self.params, self.views(anchor), self.views(self.round_start)):
                 p.add_(b - s)
@@ -325,6 +341,25 @@ class OuterSync:
     def close(self) -> None:
         """Stops the worker thread (waits for a running reduction)."""
         self._executor.shutdown(wait=True)
+
+    def serve(self) -> dict[str, Any]:
+        """What a restarted cluster needs to join: the global parameters and outer optimizer as
+        they are while the in-flight reduction runs (it is the one the joining cluster takes part
+        in), and where that reduction was launched. Copies: called from torchft's thread, while
+        the training thread goes on (which changes none of these before the reduction is done)."""
+        return {"base": self.base.clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                **self._launched}
+
+    def join(self, state: dict[str, Any]) -> None:
+        """Takes a live peer's :meth:`serve` (called by the link within the running reduction, in
+        the worker thread): when that reduction is collected, ``base`` and the outer optimizer
+        become the peer's, the reduction (the others' average) is applied to them as on the peer,
+        the replica restarts from the result, and ``joined_at`` is the iteration at which the peer
+        launched it. The progress this replica made before is dropped."""
+        if state["base"].shape != self.base.shape:
+            raise ValueError(f"a peer's outer shard has {state['base'].numel()} elements, this rank has "
+                             f"{self.base.numel()}: the clusters run different models or layouts")
+        self._joining = state
 
     def state_dict(self) -> dict[str, Any]:
         """Outer state for a checkpoint: base, round start, outer optimizer, in-flight round.
@@ -415,6 +450,7 @@ class OuterSync:
 
     def _submit(self, delta: torch.Tensor) -> None:
         assert self._inflight is None, "a reduction is already in flight"
+        self._launched = {"outer_step": self.outer_step, "iteration": self._iteration}
         self._inflight = self._executor.submit(self._reduce, delta)
 
     def _reduce(self, delta: torch.Tensor) -> _Reduced:
@@ -425,8 +461,9 @@ class OuterSync:
         (g,) = self.reducer([delta], self.group)
         assert g.shape == delta.shape and g.dtype == torch.float32
         codec = getattr(self.reducer, "last_stats", None)  # read here: the next reduction replaces it
+        joined, self._joining = self._joining, None
         return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes, self.group.delivered,
-                        dict(codec) if codec else None)
+                        dict(codec) if codec else None, joined)
 
     def _wait(self) -> tuple[_Reduced | None, float]:
         if self._inflight is None:
@@ -439,8 +476,22 @@ class OuterSync:
                 f"DiLoCoX outer reduction not done after {self.config.outer_timeout_s:.0f} s "
                 "(--dilocox-outer-timeout-s): is a peer cluster down?"
             ) from None
+        except Exception:
+            self._inflight = None  # the reduction failed: nothing of it is applied, the state stays as it was
+            raise
         self._inflight = None
+        if result.joined is not None:
+            self._take(result.joined)
+            result = result._replace(joined=None)
         return result, time.perf_counter() - start
+
+    def _take(self, state: dict[str, Any]) -> None:
+        """The training thread's half of :meth:`join`, before the reduction is applied."""
+        self.base.copy_(state["base"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_step = int(state["outer_step"])
+        self.joined_at = int(state["iteration"])
+        self._stale = True
 
     def _apply(self, g: torch.Tensor, finite: bool) -> bool:
         """Applies ``g`` if ``finite`` (the agreed answer for the whole model); returns that."""

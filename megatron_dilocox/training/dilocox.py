@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import math
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import partial
 
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
+from megatron_dilocox.errors import ClusterLossError
 from megatron_dilocox.megatron_state import main_params, model_param_of, push_to_model, uses_distributed_optimizer
 from megatron_dilocox.outer.compression.reducer import CompressedReducer
 from megatron_dilocox.outer.link import GroupLink, OuterLink
@@ -40,7 +41,8 @@ class DiLoCoX:
         self.config = config
         self.audit = audit
         self.params = main_params(optimizer)
-        self._check_identical_start()
+        if not self.link.verifies_state:  # a link that does checks every payload's fingerprint (_fingerprint)
+            self._check_identical_start()
         self._tied_index = self._find_tied_embedding()
         # The outer loop's parameters: all but the last stage's copy of a tied embedding, which
         # follows the first stage's copy (see _mirror_tied_embedding) and is never sent.
@@ -65,6 +67,9 @@ class DiLoCoX:
         self.local_steps = config.local_steps
         self.next_boundary = self.local_steps
         self.next_landing: int | None = None
+        self._rejoined: int | None = None  # see take_rejoin
+        if self.link.verifies_state:
+            self.link.fingerprint, self.link.serve, self.link.on_heal = self._fingerprint, self._serve, self._on_heal
 
     def _check_identical_start(self):
         """Every replica must start from bit-identical weights (one hash exchange at start)."""
@@ -85,6 +90,40 @@ class DiLoCoX:
         flags = torch.tensor(flags, dtype=torch.int32, device=device())
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.topo.cluster_group)
         return [bool(f) for f in flags.tolist()]
+
+    def _fingerprint(self) -> bytes:
+        """SHA-256 of this rank's global parameters and the outer and codec settings: equal on
+        the ranks holding the same shard in every cluster, round after round (checked by the link)."""
+        c = self.config
+        settings = (c.sync_mode, c.local_steps, c.landing, c.outer_lr, c.outer_momentum, c.use_nesterov,
+                    self.compressor._setup() if self.compressor is not None else None)
+        digest = hashlib.sha256(repr(settings).encode())
+        digest.update(self.sync.base.detach().cpu().numpy().tobytes())
+        return digest.digest()
+
+    def _serve(self) -> dict:
+        """What a restarted cluster takes from this one to join the run (the link's ``serve``)."""
+        return {"sync": self.sync.serve(), "compressor_round": self.compressor.round if self.compressor else None}
+
+    def _on_heal(self, state: dict) -> None:
+        self.sync.join(state["sync"])
+        if self.compressor is not None:
+            self.compressor.join(state["compressor_round"])
+
+    def take_rejoin(self) -> int | None:
+        """The iteration the run is at, once after this cluster joined it from a live peer (the
+        training loop goes on from there: schedule and data follow the iteration); else None."""
+        rejoined, self._rejoined = self._rejoined, None
+        return rejoined
+
+    def _after_join(self, applied_at: int) -> None:
+        """Sets the round bookkeeping after :meth:`OuterSync.join` took effect: the peers applied
+        the reduction launched at their iteration ``joined_at`` at ``applied_at``."""
+        self._rejoined = applied_at
+        self.next_boundary = self.sync.joined_at + self.local_steps
+        while self.next_boundary <= applied_at:
+            self.next_boundary += self.local_steps
+        self.sync.joined_at = None
 
     def _find_tied_embedding(self) -> int | None:
         """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
@@ -118,10 +157,16 @@ class DiLoCoX:
 
     def land(self) -> None:
         """Applies the in-flight round's average mid-round (:meth:`OuterSync.land`)."""
-        self.sync.land()
+        try:
+            self.sync.land()
+        except ClusterLossError:
+            self.next_landing = None  # a run resumed from a checkpoint saved now goes on to the next boundary
+            raise
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         self.next_landing = None
+        if self.sync.joined_at is not None:
+            self._after_join(self.sync.joined_at + self.config.landing)
 
     def _adapt_local_steps(self, comm_s: float, compute_s: float) -> dict[str, float]:
         """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
@@ -174,7 +219,11 @@ class DiLoCoX:
     def step(self, iteration: int) -> OuterRound:
         """The round boundary after ``iteration``; returns the round's record."""
         compute_s = time.perf_counter() - self._round_start_time
-        stats = self.sync.step(iteration)
+        try:
+            stats = self.sync.step(iteration)
+        except ClusterLossError:
+            self.next_boundary = iteration + self.local_steps  # as above
+            raise
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         adapted = {}
@@ -182,6 +231,10 @@ class DiLoCoX:
             adapted = self._adapt_local_steps(stats.comm_s, compute_s)
         record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps, **adapted)
         self.next_boundary = iteration + self.local_steps
+        if self.sync.joined_at is not None:  # sync: applied where launched; delay, eager: one round later
+            self._after_join(self.sync.joined_at + (0 if self.config.sync_mode == "sync" else self.local_steps))
+            iteration = self._rejoined
+            record = replace(record, iteration=iteration)  # the run's iteration, as the peers record it
         tau = self.config.landing
         self.next_landing = iteration + tau if tau is not None and tau < self.local_steps else None
         self._round_start_time = time.perf_counter()
@@ -208,7 +261,7 @@ class DiLoCoX:
         return {"sync": self.sync.state_dict(),
                 "compressor": None if self.compressor is None else self.compressor.state_dict(),
                 "local_steps": self.local_steps, "next_boundary": self.next_boundary,
-                "next_landing": self.next_landing}
+                "next_landing": self.next_landing, "link": self.link.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict` output; the main params must already hold their saved
@@ -223,6 +276,8 @@ class DiLoCoX:
         self.local_steps = int(state["local_steps"])
         self.next_boundary = int(state["next_boundary"])
         self.next_landing = state.get("next_landing")  # absent before --dilocox-overlap-steps existed
+        if state.get("link") is not None:  # absent before clusters ran as jobs; None from one world
+            self.link.load_state_dict(state["link"])
         push_to_model(self.optimizer)
 
     @contextlib.contextmanager

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dilocox import interrupt
+from megatron_dilocox.errors import ClusterLossError
 from megatron_dilocox.megatron_state import leaf_optimizers, main_params, model_sharded_state_dict, push_to_model
 from megatron_dilocox.platform.backend import device
 from megatron_dilocox.training.data import MicroBatches
@@ -204,6 +205,17 @@ class Trainer:
         self.logger.print(f"  saved checkpoint at iteration {iteration:8d} to {folder} ({took:.1f} s)")
         return took
 
+    def _saving_on_loss(self, iteration: int, outer_call, *call_args):
+        """``outer_call(*call_args)``; when too few clusters are left to go on (ClusterLossError),
+        saves a checkpoint first (with ``--save``): a resumed run loses none of this cluster's work."""
+        try:
+            return outer_call(*call_args)
+        except ClusterLossError as err:
+            if self.args.save:
+                self.logger.print(f"> {err}: saving a checkpoint before stopping")
+                self.save(iteration)
+            raise
+
     def train(self) -> None:
         args = self.args
         tokens_per_step = args.global_batch_size * args.seq_length
@@ -213,17 +225,26 @@ class Trainer:
         # tokens_per_sec and train_s measure training alone, elapsed_s is the wall clock.
         paused = 0.0
         saved = None
-        for iteration in range(self.start_iteration + 1, args.train_iters + 1):
+        iteration = self.start_iteration
+        while iteration < args.train_iters:
+            iteration += 1
             interrupt.check()  # Ctrl-C stops here, between iterations
             self._phase("step")
             loss, grad_norm = self.train_step(iteration - 1)
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
-                self.logger.outer_round(self.dilocox.step(iteration))
+                self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
-                self.dilocox.land()
+                self._saving_on_loss(iteration, self.dilocox.land)
+            if self.dilocox is not None and (joined := self.dilocox.take_rejoin()) is not None:
+                self.logger.print(f"> joined the running clusters from a live peer at iteration {joined} "
+                                  f"(this cluster was at {iteration}; its progress since its start is dropped)")
+                self.scheduler.step(increment=joined - iteration)  # the schedule and the data follow the iteration
+                iteration = joined
+                window_loss.zero_()
+                window_start = time.perf_counter()
             if iteration % args.log_interval == 0:
                 now = time.perf_counter()
                 per_iter = (now - window_start) / args.log_interval
@@ -262,7 +283,7 @@ class Trainer:
                 return
         if self.dilocox is not None:
             self._phase("boundary")
-            record = self.dilocox.finish()
+            record = self._saving_on_loss(args.train_iters, self.dilocox.finish)
             if record is not None:
                 self.logger.outer_round(record)
         if args.save and saved != args.train_iters and args.train_iters > self.start_iteration:

@@ -65,21 +65,14 @@ def build_optimizer(args, model, config, topo):
     return optimizer, scheduler
 
 
-def _refuse_rejoin(_state) -> None:
-    raise RuntimeError("this cluster is behind the running clusters of its --dilocox-lighthouse, which would "
-                       "heal it from a live peer: rejoining a running job is not supported yet; start every "
-                       "cluster again from a checkpoint (--load)")
-
-
 def connect_clusters(exchange, clusters: int, topo, audit):
     """The outer link of this cluster job: its torchft Manager (one per rank, on the job's own
     torchrun store) and the agreement over the cluster's ranks."""
-    from megatron_dilocox.outer.cluster_exchange import ClusterExchange, ExchangeLink
+    from megatron_dilocox.outer.cluster_exchange import ExchangeLink
 
-    manager = ClusterExchange(exchange, clusters, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                              store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-                              state_dict=dict, load_state_dict=_refuse_rejoin)
-    return ExchangeLink(manager, topo.exchange_group, audit)
+    return ExchangeLink(exchange, clusters, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                        settle_group=topo.exchange_group, audit=audit)
 
 
 def per_cluster(path: str | None, cluster: int, file: bool = False) -> str | None:

@@ -136,7 +136,7 @@ class CompressedReducer:
         self.round += 1
         r = _Round(link, self.counter, delta.device)
         ranks_used = list(self.ranks)
-        if not self._agreed:
+        if not self._agreed and not link.verifies_state:
             self._handshake(r)
 
         with r.timed("encode"):
@@ -159,7 +159,9 @@ class CompressedReducer:
             norm = torch.linalg.vector_norm(x).item()
             residual_ratio = 0.0
             if self.config.error_feedback:
-                if not math.isfinite(err):
+                if r.sat_out:
+                    self.residual.zero_()  # healed: what it owed was computed on stale state
+                elif not math.isfinite(err):
                     self.residual.zero_()  # a non-finite round is skipped by all; drop it here too
                 else:
                     if self.config.ef_decay != 1.0:
@@ -284,7 +286,9 @@ class CompressedReducer:
                                  wire.layout_digest(stage, *codec.layout), codec.nbytes)
             payload = wire.frame(body, header)
         with r.timed("comm"):  # the link checks every row (header and checksum) before it delivers
-            got = r.all_gather(payload, verify=lambda sender, row: wire.unframe(row, replace(header, sender=sender)))
+            # The round as it is when the rows are checked: a cluster healed in this exchange takes its peers' (join).
+            got = r.all_gather(payload, verify=lambda sender, row: wire.unframe(
+                row, replace(header, sender=sender, round=self.round)))
         with r.timed("decode"):
             total = mine = None
             for k, row in zip(got.senders, got.rows):  # fixed cluster order: the same adds on every rank
@@ -295,6 +299,10 @@ class CompressedReducer:
                     total.add_(dec)
                 if k == r.me:
                     mine = dec
+        if mine is None:  # sat out (healed): its own counts as nothing sent
+            if total is None:  # and no other cluster delivered
+                total = torch.zeros_like(codec.decode(body.to(r.device)))
+            mine = torch.zeros_like(total)
         return total, mine
 
     def _handshake(self, r: _Round) -> None:
@@ -334,6 +342,12 @@ class CompressedReducer:
         return dict(setup=self._setup(), round=self.round, ranks=list(self.ranks),
                     outside=list(self._outside), q=list(self._q), residual=self.residual)
 
+    def join(self, round: int) -> None:
+        """Takes a live peer's round counter when this cluster heals from it (called within the
+        exchange, before the payloads are checked against this round); the round then counts
+        this cluster's own payload as not sent and drops its residual."""
+        self.round = int(round)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (tensors are copied); the next call re-handshakes."""
         if tuple(state["setup"]) != self._setup():
@@ -361,12 +375,14 @@ class _Round:
         self.times: dict[str, float] = defaultdict(float)
         self.payload = 0  # bytes of this round's framed payloads (what one cluster contributes)
         self.sent = 0  # bytes handed to a collective: the payloads and a handshake, 0 alone
+        self.sat_out = False  # this cluster's own payload was not sent (it healed)
 
     def all_gather(self, data: torch.Tensor, payload: bool = True, verify=None) -> Gathered:
         """The delivering clusters' ``data`` in cluster order; ``payload``: counts as the round's payload."""
         got = self.link.all_gather(data, self.counter, verify)
-        if self.me not in got.senders:
+        if self.me not in got.senders and not got.sat_out:
             raise RuntimeError(f"cluster {self.me}'s own payload was not delivered back to it")
+        self.sat_out = got.sat_out
         self.clusters = len(got.senders)
         self.payload += data.numel() if payload else 0
         self.sent += data.numel() if self.link.clusters > 1 else 0
@@ -375,7 +391,7 @@ class _Round:
     def div(self, t: torch.Tensor) -> torch.Tensor:
         """``t / n`` in place, n the clusters that delivered. A tensor divisor: true IEEE division
         on every device (a Python scalar may become a multiply by the reciprocal on some)."""
-        return t.div_(torch.tensor(float(self.clusters), dtype=t.dtype, device=t.device))
+        return t.div_(torch.tensor(float(max(1, self.clusters)), dtype=t.dtype, device=t.device))
 
     def timed(self, key: str) -> _Timer:
         return _Timer(self.times, key, self.device)
