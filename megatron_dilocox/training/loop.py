@@ -243,6 +243,8 @@ class Trainer:
                                   f"(this cluster was at {iteration}; its progress since its start is dropped)")
                 self.scheduler.step(increment=joined - iteration)  # the schedule and the data follow the iteration
                 iteration = joined
+                # and the validation batches: where a cluster that never stopped has got to
+                self.eval_round = (joined // args.eval_interval) * args.eval_iters if args.eval_iters else 0
                 window_loss.zero_()
                 window_start = time.perf_counter()
             if iteration % args.log_interval == 0:
