@@ -13,6 +13,7 @@ import psutil
 from launch import REPO, read_jsonl, torchrun
 
 from megatron_dilocox.payload import HANDSHAKE_BYTES
+from tools.fault_soak import cluster_workers
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
@@ -114,9 +115,7 @@ def test_a_lost_cluster_does_not_stop_the_others(tmp_path):
 
 def _kill_worker(k):
     """SIGKILL cluster k's training process only: its torchrun agent sees the failure and restarts it."""
-    workers = [p for p in psutil.process_iter(["cmdline"])
-               if "--dilocox-cluster-index" in (cmd := p.info["cmdline"] or [])
-               and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(k) and "torch.distributed.run" not in cmd]
+    workers = cluster_workers(k)
     for p in workers:
         p.send_signal(signal.SIGKILL)
     return len(workers)

@@ -168,16 +168,8 @@ def data_fingerprint(pretrain: list[str]) -> dict:
     """What the runs train and validate on: SHA-256 of the dataset's .bin and .idx and of the
     tokenizer model, so that a study never mixes runs made on different data (the large corpus
     depends on the installed packages, docs/data.md)."""
-    import hashlib
-
-    def sha256(path: str) -> str:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-        return digest.hexdigest()
-
     from megatron_dilocox import arguments
+    from megatron_dilocox.checkpoint.files import sha256_file as sha256
 
     args, _ = arguments.build_parser().parse_known_args(pretrain)
     prefixes = [p for p in args.data_path or [] if not p.replace(".", "", 1).isdigit()]  # a blend's weights

@@ -70,7 +70,7 @@ def check_args(parser, args) -> list[str]:
     return pretrain
 
 
-def _workers(cluster: int) -> list[psutil.Process]:
+def cluster_workers(cluster: int) -> list[psutil.Process]:
     """Cluster ``cluster``'s training processes (not its torchrun agent)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -116,10 +116,10 @@ def run_jobs(args, pretrain: list[str], folder: Path, faults: bool) -> dict:
         if not faults or not (m := ITERATION.match(line)):
             return
         if int(m.group(2)) >= next_kill and next_kill <= last_kill:
-            live = sorted(k for k in up if _workers(k))
+            live = sorted(k for k in up if cluster_workers(k))
             if len(live) > 1:  # never the last one
                 k = rng.choice(live)
-                for p in _workers(k):
+                for p in cluster_workers(k):
                     p.send_signal(signal.SIGKILL)
                 up.discard(k)
                 kills.append(dict(cluster=k, iteration=int(m.group(2)), t=time.time()))

@@ -98,7 +98,7 @@ class DiLoCoX:
         settings = (c.sync_mode, c.local_steps, c.landing, c.outer_lr, c.outer_momentum, c.use_nesterov,
                     self.compressor._setup() if self.compressor is not None else None)
         digest = hashlib.sha256(repr(settings).encode())
-        digest.update(self.sync.base.detach().cpu().numpy().tobytes())
+        digest.update(self.sync.base.detach().cpu().numpy())  # the array's own buffer, no copy on the CPU
         return digest.digest()
 
     def _serve(self) -> dict:
@@ -119,11 +119,9 @@ class DiLoCoX:
     def _after_join(self, applied_at: int) -> None:
         """Sets the round bookkeeping after :meth:`OuterSync.join` took effect: the peers applied
         the reduction launched at their iteration ``joined_at`` at ``applied_at``."""
+        launched, self.sync.joined_at = self.sync.joined_at, None
         self._rejoined = applied_at
-        self.next_boundary = self.sync.joined_at + self.local_steps
-        while self.next_boundary <= applied_at:
-            self.next_boundary += self.local_steps
-        self.sync.joined_at = None
+        self.next_boundary = launched + self.local_steps * (1 + (applied_at - launched) // self.local_steps)
 
     def _find_tied_embedding(self) -> int | None:
         """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
