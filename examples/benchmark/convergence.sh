@@ -4,6 +4,7 @@
 #   bash examples/benchmark/convergence.sh                 # STUDY=defaults: the acceptance comparison
 #   STUDY=pilot SEEDS=1 ITERS=700 bash examples/benchmark/convergence.sh
 #   STUDY=levers SEEDS=1 bash examples/benchmark/convergence.sh  # single settings changed from the defaults
+#   STUDY=lr SEEDS=1 bash examples/benchmark/convergence.sh      # each method's learning rate, bracketed
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -16,8 +17,9 @@ STUDY=${STUDY:-defaults}
 # later study on documents in a seeded order, so that the split is a uniform sample (docs/data.md).
 if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
-# The levers study adds its single-setting runs to the defaults study's folder and table.
-OUT=${OUT:-runs/convergence/$([ "$STUDY" = levers ] && echo defaults || echo "$STUDY")}
+# The levers and lr studies add their runs to the defaults study's folder and table. Its records
+# on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
+case "$STUDY" in defaults|levers|lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -108,9 +110,15 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3=$D64 --lr 4e-3 --min-lr 4e-4"
              --method "DiLoCoX defaults inner 4e-3 chunk 1024 density 1/48=$DLX --lr 4e-3 --min-lr 4e-4 --dilocox-topk-chunk 1024 --dilocox-topk-density 0.0208333"
              --method "DiLoCoX defaults inner 2.8e-3 density 1/32=$DLX --lr 2.8e-3 --min-lr 2.8e-4 --dilocox-topk-density 0.03125") ;;
+  lr)  # on the pinned corpus AllReduce's best lr moved from 2e-3 to 4e-3: bracket every method again
+    METHODS=("${DEFAULTS[@]}" --method "sync fp32 inner 5.6e-3=$SYNC_FP32 --lr 5.6e-3 --min-lr 5.6e-4"
+             --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4" --baseline "AllReduce lr 8e-3"
+             --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4"
+             --method "DiLoCoX defaults inner 5.6e-3 density 1/32=$DLX --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-topk-density 0.03125"
+             --method "DiLoCoX defaults inner 8e-3 density 1/32=$DLX --lr 8e-3 --min-lr 8e-4 --dilocox-topk-density 0.03125") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
