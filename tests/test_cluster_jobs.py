@@ -26,11 +26,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 UNPAIRED = ("tokens_per_sec", "codec_fraction", "cross_cluster_bytes")
 
 
-def launch(clusters, nproc, flags, args=(), **popen):
+def launch(clusters, nproc, flags, args=(), script=REPO / "pretrain_gpt.py", env=ENV):
     cmd = [sys.executable, "-m", "megatron_dilocox.launch", "--clusters", str(clusters),
-           "--nproc-per-cluster", str(nproc), *args, "--", str(REPO / "pretrain_gpt.py"), *flags]
-    return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **popen)
+           "--nproc-per-cluster", str(nproc), *args, "--", str(script), *flags]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _numbers(records):
@@ -159,3 +158,25 @@ def test_a_restarted_cluster_rejoins_from_a_live_peer(tmp_path):
     # After the join every cluster holds the same global parameters: the same validation losses.
     finals = [[r["val_loss"] for r in m if "val_loss" in r][-1] for m in metrics]
     assert finals[0] == finals[1] == finals[2], finals
+
+
+def test_a_corrupt_payload_is_dropped_and_its_sender_goes_on(tmp_path):
+    """2 single-rank clusters, the default codec (topk with error feedback, ``delay``). Cluster 1's
+    payload of outer round 2 has a byte flipped after framing: cluster 0 refuses it (checksum),
+    names it, and both apply that round with cluster 0's payload alone. Cluster 1, whose own
+    payload was refused, takes part as a cluster that lost its round (it does not stop): every
+    other round averages both, and both clusters end at the same validation loss."""
+    flags = MODEL + ["--train-iters", "40", "--eval-interval", "20", "--metrics-file", str(tmp_path / "m.jsonl")]
+    jobs = launch(2, 1, flags, script=REPO / "tests" / "corrupting_pretrain.py",
+                  env={**ENV, "CORRUPT_CLUSTER_ROUND": "1:2"})
+    out, _ = jobs.communicate(timeout=900)
+    assert jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
+    named = [line for line in out.splitlines() if "round 2: 1 of 2 clusters delivered (cluster 1:" in line]
+    assert len(named) == 2 and all("failed its checksum" in line for line in named), out[-6000:]  # one per cluster
+    metrics = [read_jsonl(tmp_path / name) for name in ("m.jsonl", "m.cluster-1.jsonl")]
+    rounds = [[(r["iteration"], r["participants"]) for r in m if "outer_step" in r] for m in metrics]
+    # delay: each record holds the reduction launched at the boundary before (none at the first).
+    participants = [n for _, n in rounds[0]]
+    assert rounds[0] == rounds[1] and participants == [0, 2, 2, 1] + [2] * (len(participants) - 4), rounds
+    finals = [[r["val_loss"] for r in m if "val_loss" in r] for m in metrics]
+    assert finals[0] == finals[1] and len(finals[0]) == 2, finals

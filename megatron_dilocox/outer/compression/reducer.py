@@ -299,7 +299,7 @@ class CompressedReducer:
                     total.add_(dec)
                 if k == r.me:
                     mine = dec
-        if mine is None:  # sat out (healed): its own counts as nothing sent
+        if mine is None:  # sat out (healed) or refused: its own counts as nothing sent
             if total is None:  # and no other cluster delivered
                 total = torch.zeros_like(codec.decode(body.to(r.device)))
             mine = torch.zeros_like(total)
@@ -379,9 +379,10 @@ class _Round:
 
     def all_gather(self, data: torch.Tensor, payload: bool = True, verify=None) -> Gathered:
         """The delivering clusters' ``data`` in cluster order; ``payload``: counts as the round's payload."""
+        # Without sat_out, a payload of this cluster's own that is missing was refused by another
+        # cluster (it failed a check there): the others' mean is applied, and under error feedback
+        # the residual keeps all of this round's progress, to be sent again.
         got = self.link.all_gather(data, self.counter, verify)
-        if self.me not in got.senders and not got.sat_out:
-            raise RuntimeError(f"cluster {self.me}'s own payload was not delivered back to it")
         self.sat_out = got.sat_out
         self.clusters = len(got.senders)
         self.payload += data.numel() if payload else 0
