@@ -15,6 +15,7 @@ in the data-parallel layout over all clusters is the same as in the single world
 """
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -55,9 +56,23 @@ class Topology:
 
 
 def init_distributed(backend: str, timeout_minutes: int) -> None:
-    """Initialises the default process group from torchrun's environment."""
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    """Initialises the default process group from torchrun's environment.
+
+    Under torchrun every attempt (``--max-restarts``) connects to the same agent store, whose keys
+    of the previous attempt are still there: a restarted rank could read a dead peer's address and
+    fail to connect. So a restarted attempt's groups keep their keys under a prefix of their own.
+    """
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def _new_groups(rank_lists, timeout=None, backend=None):

@@ -28,6 +28,7 @@ leaves it out once the Lighthouse has missed its heartbeats (``--heartbeat_timeo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,26 @@ def _not_flight_recorder(record: logging.LogRecord) -> bool:
     # torchft warns at every new quorum that it cannot reset NCCL's flight recorder, which a
     # gloo exchange never has.
     return "NCCL flight recorder" not in record.getMessage()
+
+
+def _forget_previous_attempt(store_addr: str, store_port: int, rank: int) -> None:
+    """Deletes what the cluster's previous torchrun attempt (``--max-restarts``) left in the
+    torchrun store for torchft: its rank 0 Manager's address, under keys without an attempt
+    prefix, which the restarted ranks would read before the new rank 0 replaces them and then
+    fail to connect to a dead server. The other ranks wait until rank 0 has deleted them."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        return
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    store = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False)
+    forgotten = f"megatron_dilocox/attempt_{attempt}/torchft_keys_deleted"
+    if rank == 0:
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+        store.set(forgotten, "1")
+    else:
+        store.wait([forgotten])
 
 
 @dataclass
@@ -100,6 +121,7 @@ class ClusterExchange:
         if config.lighthouse is None:
             raise ConfigError("ClusterExchange needs --dilocox-lighthouse")
         self.config, self.clusters = config, clusters
+        _forget_previous_attempt(store_addr, store_port, rank)
         logging.getLogger("torchft.manager").addFilter(_not_flight_recorder)
         timeout = timedelta(seconds=config.failure_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)

@@ -238,16 +238,18 @@ class Trainer:
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
                 self._saving_on_loss(iteration, self.dilocox.land)
-            if self.dilocox is not None and (joined := self.dilocox.take_rejoin()) is not None:
+            joined = self.dilocox.take_rejoin() if self.dilocox is not None else None
+            if joined is not None:
                 self.logger.print(f"> joined the running clusters from a live peer at iteration {joined} "
                                   f"(this cluster was at {iteration}; its progress since its start is dropped)")
                 self.scheduler.step(increment=joined - iteration)  # the schedule and the data follow the iteration
                 iteration = joined
-                # and the validation batches: where a cluster that never stopped has got to
-                self.eval_round = (joined // args.eval_interval) * args.eval_iters if args.eval_iters else 0
+                # and the validation batches: where a cluster that never stopped has got to, the
+                # evaluations before this iteration's (which comes below) done
+                self.eval_round = ((joined - 1) // args.eval_interval) * args.eval_iters
                 window_loss.zero_()
                 window_start = time.perf_counter()
-            if iteration % args.log_interval == 0:
+            if iteration % args.log_interval == 0 and joined is None:  # a join starts an empty window
                 now = time.perf_counter()
                 per_iter = (now - window_start) / args.log_interval
                 self.logger.train(
