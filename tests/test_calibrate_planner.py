@@ -36,11 +36,11 @@ def test_fit_and_rows(tmp_path):
     # its round over H (the exchange hidden in delay mode): the same inner step
     ar, _ = cal.predict("h256", "allreduce-2xpp2", "data", FIG, ns)
     dlx, _ = cal.predict("h256", "dilocox-2xpp2", "data", FIG, ns)
-    assert cal.predicted_step(ar, "allreduce-2xpp2") == pytest.approx(ar.step["total"] + ar.allreduce["comm"])
-    assert ar.allreduce["comm"] > 0
-    assert cal.predicted_step(dlx, "dilocox-2xpp2") == pytest.approx(dlx.step["total"])
+    assert cal.predicted_step(ar, "allreduce-2xpp2") == pytest.approx(ar.step.total + ar.allreduce.comm)
+    assert ar.allreduce.comm > 0
+    assert cal.predicted_step(dlx, "dilocox-2xpp2") == pytest.approx(dlx.step.total)
     # a row 20% slower than predicted reads -16.7%; bytes per step are compared with the planner's
-    per_step = ar.allreduce["per_stage"][-1]
+    per_step = ar.allreduce.per_stage[-1]
     _metrics(tmp_path / "h256-allreduce-2xpp2.jsonl", [9.0] + [1.2 * cal.predicted_step(ar, "allreduce-2xpp2")] * 4,
              per_step)
     table = cal.table(["h256"], ["dp2", "allreduce-2xpp2"], "data", str(tmp_path), {"h256": FIG}, ns)

@@ -1,4 +1,4 @@
-"""Planner arithmetic (megatron_dilocox/planner.py, tools/plan.py) against hand sums and measurements."""
+"""Planner arithmetic (megatron_dilocox/planner/, tools/plan.py) against hand sums and measurements."""
 import math
 
 import pytest
@@ -80,10 +80,10 @@ def test_final_flush_bytes_match_the_measured_quickstart():
     lay = pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=16)
     mach = pl.Machine(gpus_per_cluster=2)
     p = pl.plan(pl.ModelShape(**QS), lay, DiLoCoXConfig(), CompressionConfig(), mach)
-    assert p.dilocox["payload_per_stage"][1] == 57_132
-    assert p.dilocox["flush_per_stage"][1] == 1_661_924 - 57_132
+    assert p.dilocox.payload_per_stage[1] == 57_132
+    assert p.dilocox.flush_per_stage[1] == 1_661_924 - 57_132
     none = pl.plan(pl.ModelShape(**QS), lay, DiLoCoXConfig(), CompressionConfig(codec="none"), mach)
-    assert none.dilocox["flush_per_rank"] == 0
+    assert none.dilocox.flush_per_rank == 0
 
 
 def test_tied_copy_stays_out_of_the_outer_loop():
@@ -98,7 +98,7 @@ def test_tied_copy_stays_out_of_the_outer_loop():
     mach = pl.Machine(gpus_per_cluster=2, gpu_tflops=1.0, intra_bandwidth_gbps=8.0, inter_bandwidth_gbps=0.01)
     d = (DiLoCoXConfig(clusters=2, local_steps=10), CompressionConfig(codec="quantize", bits=4))
     p = pl.plan(m, lay, *d, mach)
-    assert p.dilocox["payload_per_stage"] == [
+    assert p.dilocox.payload_per_stage == [
         codec_bytes([t.shape for t in pl.outer_tensors(m, 1, 2, k)], CompressionConfig(codec="quantize", bits=4))
         for k in range(2)]
     assert p.outer_shard_params == sum(t.numel for t in pl.stage_tensors(m, 1, 2, 0))  # the largest outer shard
@@ -112,17 +112,17 @@ def test_memory_arithmetic_small_case():
     p = pl.plan(m, lay, *d, mach)
     n = 1_048_576 + 32_768 + 2 * 789_760  # first stage is the larger one
     assert p.dp_in == 2 and p.num_microbatches == 2 and p.params_per_rank == n
-    assert p.memory["weights"] == 2 * n and p.memory["grads"] == 4 * n
-    assert p.memory["inner_optimizer"] == 12 * n / 2
+    assert p.memory.weights == 2 * n and p.memory.grads == 4 * n
+    assert p.memory.inner_optimizer == 12 * n / 2
     # delay mode: base, momentum, round start, in-flight pseudo-gradient + the next one at a boundary
-    assert p.memory["outer_state"] == (4 + 4 + 4 + 4 + 4) * n / 2 and p.host_memory["outer_state"] == 0
+    assert p.memory.outer_state == (4 + 4 + 4 + 4 + 4) * n / 2 and p.memory.host_outer_state == 0
     s, b, h, a = 128, 4, 256, 4
     per_layer = s * b * h * (34 + 5 * a * s / h)
-    assert p.memory["activations"] == per_layer * 2 * 2  # 2 layers/stage x min(PP, m) = 2 in flight
+    assert p.memory.activations == per_layer * 2 * 2  # 2 layers/stage x min(PP, m) = 2 in flight
     assert p.fits
     rec = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32, bf16=True,
                                recompute_full=True), *d, mach)
-    assert rec.memory["activations"] == 2 * s * b * h * 2 * 2 + per_layer
+    assert rec.memory.activations == 2 * s * b * h * 2 * 2 + per_layer
 
 
 def test_outer_state_offload_sync_and_error_feedback():
@@ -139,15 +139,15 @@ def test_outer_state_offload_sync_and_error_feedback():
         p = pl.plan(m, lay, DiLoCoXConfig(clusters=2, sync_mode=mode, offload_outer_state=off),
                     CompressionConfig(error_feedback=ef), mach)
         gpu, host = (0, per_param * shard) if off else (per_param * shard, 0)
-        assert (p.memory["outer_state"], p.host_memory["outer_state"]) == (gpu, host), (mode, ef, off)
-        others = sum(v for k, v in p.memory.items() if k != "outer_state")
-        assert others == sum(v for k, v in base.memory.items() if k != "outer_state")
-        assert p.gpu_bytes == others + gpu
+        assert (p.memory.outer_state, p.memory.host_outer_state) == (gpu, host), (mode, ef, off)
+        others = sum(v for k, v in p.memory.on_gpu().items() if k != "outer_state")
+        assert others == sum(v for k, v in base.memory.on_gpu().items() if k != "outer_state")
+        assert p.memory.gpu_total == others + gpu
     # one cluster: no outer loop, no outer state
     one = pl.plan(m, pl.Layout(tp=1, pp=2, micro_batch_size=4, global_batch_size=32), DiLoCoXConfig(clusters=1),
                   CompressionConfig(),
                   pl.Machine(gpus_per_cluster=2))
-    assert one.memory["outer_state"] == 0 and one.allreduce["comm"] == 0 and one.ratio == 1
+    assert one.memory.outer_state == 0 and one.allreduce.comm == 0 and one.ratio == 1
 
 
 def test_matmul_flops_by_hand():
@@ -178,11 +178,11 @@ def test_step_time_gpu_pipeline_by_hand():
     p2p = 2 * 512 * 256 * 2 / 1e9  # forward activation out + gradient in, 8 Gbps
     tau0, tau1 = mm0 + tp + p2p, mm1 + tp
     pipeline = 3 * max(tau0, tau1) + tau0 + tau1
-    assert math.isclose(p.step["pipeline"], pipeline) and math.isclose(p.step["compute"], pipeline)
-    assert math.isclose(p.step["bubble_factor"], pipeline / (4 * tau1) - 1)
+    assert math.isclose(p.step.pipeline, pipeline) and math.isclose(p.step.compute, pipeline)
+    assert math.isclose(p.step.bubble_factor, pipeline / (4 * tau1) - 1)
     n = p.params_per_rank
-    assert math.isclose(p.step["intra_allreduce"], 2 * 1 / 2 * 4 * n / 1e9)
-    assert math.isclose(p.step["total"], pipeline + p.step["intra_allreduce"])
+    assert math.isclose(p.step.intra_allreduce, 2 * 1 / 2 * 4 * n / 1e9)
+    assert math.isclose(p.step.total, pipeline + p.step.intra_allreduce)
 
 
 def test_step_time_cpu_mode_by_hand():
@@ -192,21 +192,21 @@ def test_step_time_cpu_mode_by_hand():
     one = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0)
     lay = pl.Layout(micro_batch_size=4, global_batch_size=16)
     p = pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), one)
-    assert math.isclose(p.step["total"], per_token * tokens / 16e9)  # one process: all threads
+    assert math.isclose(p.step.total, per_token * tokens / 16e9)  # one process: all threads
     # element-wise work: 4 layers x 2048 tokens x 256 hidden x 100 ns at one thread, sped up 1.6x
     # by the threads of a single process; every TP rank does all of it, so TP2 halves only the matmuls
     ew = pl.Machine(gpus_per_cluster=1, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                     cpu_elementwise_ns=100.0)
     p_ew = pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), ew)
-    assert math.isclose(p_ew.step["elementwise"], 100e-9 * tokens * 256 * 4 / 1.6)
-    assert math.isclose(p_ew.step["total"], p.step["total"] + p_ew.step["elementwise"])
+    assert math.isclose(p_ew.step.elementwise, 100e-9 * tokens * 256 * 4 / 1.6)
+    assert math.isclose(p_ew.step.total, p.step.total + p_ew.step.elementwise)
     tp2 = pl.Machine(gpus_per_cluster=2, cpu_cores=2, cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0,
                      cpu_elementwise_ns=100.0, tp_bandwidth_gbps=8.0)
     p_tp2 = pl.plan(m, pl.Layout(tp=2, micro_batch_size=4, global_batch_size=16), DiLoCoXConfig(clusters=1),
                     CompressionConfig(), tp2)
     tp_comm = 4 * 4 * 2 * 0.5 * 512 * 256 * 4 / 1e9  # 4 layers x 4 all-reduces per micro-batch
     per_mb = pl.stage_flops_per_token(m, 2, 1, 0) * 512 / 10e9 + 100e-9 * 512 * 256 * 4 + tp_comm
-    assert math.isclose(p_tp2.step["total"], 4 * per_mb)
+    assert math.isclose(p_tp2.step.total, 4 * per_mb)
     with pytest.raises(ValueError, match="--cpu-elementwise-ns"):
         pl.plan(m, lay, DiLoCoXConfig(clusters=1), CompressionConfig(), pl.Machine(gpus_per_cluster=1, cpu_cores=2,
                 cpu_gflops_1thread=10.0, cpu_gflops_all_threads=16.0, cpu_elementwise_ns=-1.0))
@@ -215,11 +215,11 @@ def test_step_time_cpu_mode_by_hand():
                       intra_bandwidth_gbps=8.0)
     lay2 = pl.Layout(pp=2, micro_batch_size=4, global_batch_size=16)
     q = pl.plan(m, lay2, DiLoCoXConfig(clusters=2), CompressionConfig(), four)
-    assert math.isclose(q.step["cores_bound"], per_token * tokens / 10e9 / 2)
+    assert math.isclose(q.step.cores_bound, per_token * tokens / 10e9 / 2)
     mm = [2 * 3 * 1_703_936 * 512 / 10e9, (2 * 3 * 1_703_936 + 3 * 2 * 4096 * 256) * 512 / 10e9]
     tau = [mm[0] + 2 * 512 * 256 * 4 / 1e9, mm[1]]
-    assert math.isclose(q.step["pipeline"], max(tau) + sum(tau))  # 2 micro-batches per cluster
-    assert q.step["cores_bound"] > q.step["pipeline"] and q.step["total"] == q.step["cores_bound"]
+    assert math.isclose(q.step.pipeline, max(tau) + sum(tau))  # 2 micro-batches per cluster
+    assert q.step.cores_bound > q.step.pipeline and q.step.total == q.step.cores_bound
 
 
 def test_step_and_ratio_arithmetic():
@@ -230,17 +230,17 @@ def test_step_and_ratio_arithmetic():
     d = (DiLoCoXConfig(clusters=2, local_steps=10, overlap_steps=10), CompressionConfig(codec="none"))
     p = pl.plan(m, lay, *d, mach)
     n = p.params_per_rank
-    assert math.isclose(p.step["compute"], pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
-    assert math.isclose(p.step["intra_allreduce"], 2 * 0.5 * 4 * n / 1e9)
+    assert math.isclose(p.step.compute, pl.stage_flops_per_token(m, 1, 1, 0) * 128 / 1e12)  # 1 micro-batch
+    assert math.isclose(p.step.intra_allreduce, 2 * 0.5 * 4 * n / 1e9)
     # AllReduce: each rank sends 2(C-1)/C of its 1/DP_in gradient piece; 2 ranks share the link.
-    assert math.isclose(p.allreduce["comm"], 2 * (1 * 4 * n / 2) / 1e9)
-    assert math.isclose(p.dilocox["exchange"], 2 * (1 * 4 * n) / 1e9)
-    assert math.isclose(p.ratio, 10 * p.allreduce["step"] / max(10 * p.step["total"], p.dilocox["exchange"]))
+    assert math.isclose(p.allreduce.comm, 2 * (1 * 4 * n / 2) / 1e9)
+    assert math.isclose(p.dilocox.exchange, 2 * (1 * 4 * n) / 1e9)
+    assert math.isclose(p.ratio, 10 * p.allreduce.step / max(10 * p.step.total, p.dilocox.exchange))
     # The default lands 1 step into the next round: only 1 step's compute hides the exchange.
     early = pl.plan(m, lay, DiLoCoXConfig(clusters=2, local_steps=10), CompressionConfig(codec="none"), mach)
-    window = p.step["total"]
-    assert p.dilocox["exchange"] > window and not early.dilocox["hidden"] and p.dilocox["hidden"]
-    assert math.isclose(early.dilocox["round"], 10 * p.step["total"] + p.dilocox["exchange"] - window)
+    window = p.step.total
+    assert p.dilocox.exchange > window and not early.dilocox.hidden and p.dilocox.hidden
+    assert math.isclose(early.dilocox.round, 10 * p.step.total + p.dilocox.exchange - window)
 
 
 def test_cli_quickstart_and_preset(capsys):
@@ -280,7 +280,7 @@ def test_cli_plans_a_launch_with_its_own_flags(capsys):
 
 
 def test_planner_imports_and_plans_without_torch():
-    """planner.py and payload.py are pure arithmetic: they import and plan where torch is absent."""
+    """The planner and payload.py are pure arithmetic: they import and plan where torch is absent."""
     import subprocess
     import sys
 
@@ -288,7 +288,7 @@ def test_planner_imports_and_plans_without_torch():
 
     code = ("import sys, tools.plan as cli; from megatron_dilocox import planner as pl; "
             "p = pl.plan(*cli.configs(cli.resolve(['--preset', 'paper-107b']))); "
-            "assert 'torch' not in sys.modules and p.fits; print(p.dilocox['payload_per_rank'])")
+            "assert 'torch' not in sys.modules and p.fits; print(p.dilocox.payload_per_rank)")
     proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr

@@ -251,8 +251,8 @@ def predicted_step(p, layout: str) -> float:
     its cross-cluster gradient all-reduce, DiLoCoX its round time over H."""
     flags = LAYOUTS[layout][1]
     if "--dilocox" in flags:
-        return p.dilocox["step"]
-    return p.allreduce["step"] if "--dilocox-clusters" in flags else p.step["total"]
+        return p.dilocox.step
+    return p.allreduce.step if "--dilocox-clusters" in flags else p.step.total
 
 
 def measured(path: str) -> dict:
@@ -300,13 +300,13 @@ def table(models, layouts, data: str, out: str, figures: dict, elementwise_ns: f
             c = ns.dilocox_clusters
             if "--dilocox" in LAYOUTS[layout][1]:
                 h = ns.dilocox_local_steps
-                per_round = int(p.dilocox["sent_per_stage"][-1])
+                per_round = int(p.dilocox.sent_per_stage[-1])
                 started = got["last_iteration"] // h
                 want = f"{per_round:,}/round; {started * per_round + HANDSHAKE_BYTES:,} cum."
                 have = f"{'/'.join(f'{b:,}' for b in sorted(set(got['rounds'])))}/round; {got['cumulative']:,} cum."
             elif c > 1:
                 # + the loss average over data-parallel replicas at each log line: 2 float64
-                per_step, logs = int(p.allreduce["per_stage"][-1]), got["last_iteration"] // LOG_INTERVAL
+                per_step, logs = int(p.allreduce.per_stage[-1]), got["last_iteration"] // LOG_INTERVAL
                 want = f"{per_step:,}/step; {per_step * got['last_iteration'] + 16 * logs:,} cum."
                 have = f"{got['cumulative'] / got['last_iteration']:,.1f}/step; {got['cumulative']:,} cum."
             else:

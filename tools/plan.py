@@ -1,6 +1,6 @@
 """Plan a run: parameters, per-GPU memory, step time, DiLoCoX vs AllReduce across slow links.
 
-Pure arithmetic; formulas and assumptions in ``megatron_dilocox/planner.py``. Examples::
+Pure arithmetic; formulas and assumptions in ``megatron_dilocox/planner/``. Examples::
 
     python tools/plan.py --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 \\
         --vocab-size 4096 --pipeline-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 16 \\
@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dilocox import flags  # noqa: E402
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig  # noqa: E402
-from megatron_dilocox.planner import Layout, Machine, ModelShape, plan, report  # noqa: E402
+from megatron_dilocox.planner import Layout, Machine, ModelShape, plan  # noqa: E402
+from megatron_dilocox.planner.report import report  # noqa: E402
 
 PLANNED_OUTER = ("clusters", "local_steps", "sync_mode", "overlap_steps", "offload_outer_state")
 PLANNED_COMPRESSION = ("codec", "bits", "block", "topk_density", "topk_chunk", "rank", "error_feedback",
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     if args.preset == "paper-107b":
         print(f"paper reports: {PAPER_RATIO:g}x (predicted above: {p.ratio:,.1f}x; constants not tuned to it)")
     if args.check_fits and not p.fits:
-        print(f"error: {p.gpu_bytes / 2**30:,.2f} GiB per GPU does not fit --gpu-memory-gib "
+        print(f"error: {p.memory.gpu_total / 2**30:,.2f} GiB per GPU does not fit --gpu-memory-gib "
               f"{args.gpu_memory_gib:g}", file=sys.stderr)
         return 3
     return 0
