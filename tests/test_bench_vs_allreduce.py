@@ -16,6 +16,7 @@ from test_wan import _namespaces, needs_netns
 sys.path.insert(0, str(REPO / "tools"))
 
 import bench_vs_allreduce as bench  # noqa: E402
+from vs_allreduce.runs import with_flag  # noqa: E402
 
 HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
 PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -114,7 +115,7 @@ def test_teardown_on_failed_run_and_on_sigterm(tiny_dataset, tmp_path):
     out = tmp_path / "t"
     proc = subprocess.Popen([*HARNESS, "--rate", "20mbit", "--ranks-per-cluster", "1", "--out", str(out),
                              "--methods", "allreduce", "--prefix", f"s{os.getpid() % 10**6}",
-                             "--", *bench._with_flag(PRETRAIN, "--train-iters", 2000), *_data(tiny_dataset, tmp_path)],
+                             "--", *with_flag(PRETRAIN, "--train-iters", 2000), *_data(tiny_dataset, tmp_path)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (out / "allreduce.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:

@@ -38,7 +38,6 @@ import os
 import platform
 import shlex
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "wan"))
@@ -46,20 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import launch  # noqa: E402
 import netns  # noqa: E402
-from compare_runs import read_records, summarize  # noqa: E402
 from pretrain_flags import flag_value  # noqa: E402
+from vs_allreduce.figures import add_ratios  # noqa: E402
+from vs_allreduce.report import plot, table  # noqa: E402
+from vs_allreduce.runs import METHODS, Bench  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-DILOCOX = ["--dilocox"]
-METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters); {overlap}: --overlap-mode
-    "compute-only": ("compute-only", None),
-    "dilocox-overlap-compressed": ("DiLoCoX {overlap}+comp", DILOCOX + ["--dilocox-sync-mode", "{overlap}"]),
-    "dilocox-overlap-compressed-adaptive": ("DiLoCoX {overlap}+comp adapt.", DILOCOX + [
-        "--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "lowrank-quantize", "--dilocox-adaptive"]),
-    "dilocox-overlap": ("DiLoCoX {overlap}", DILOCOX + ["--dilocox-sync-mode", "{overlap}", "--dilocox-compression", "none"]),
-    "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
-    "allreduce": ("AllReduce", []),
-}
 OWNED = ("--dilocox", "--metrics-file", "--log-interval", "--eval-interval", "--eval-iters", "--seed")
 NEEDED = ("--train-iters", "--global-batch-size", "--seq-length")
 CODEC_FLAGS = ("--dilocox-compression", "--dilocox-quant-", "--dilocox-rank", "--dilocox-min-rank",
@@ -92,14 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("pretrain", nargs=argparse.REMAINDER, help="-- then pretrain_gpt.py flags")
     return p
-
-
-def _with_flag(argv: list[str], flag: str, value) -> list[str]:
-    """``argv`` with ``flag``'s value replaced."""
-    out = list(argv)
-    i = out.index(flag)
-    out[i + 1] = str(value)
-    return out
 
 
 def check_args(parser, args) -> dict:
@@ -150,228 +132,6 @@ def check_args(parser, args) -> dict:
         shaped[name] = int(n)
     return dict(pretrain=pretrain, iters=iters, gbs=gbs, seq=values["--seq-length"], methods=methods, shaped=shaped,
                 compression=compression)
-
-
-class Bench:
-    """Runs the methods and collects their curves and figures."""
-
-    def __init__(self, args, cfg, wan: netns.Wan):
-        self.args, self.cfg, self.wan = args, cfg, wan
-        self.out = Path(args.out)
-        self.commands = {}
-
-    def _flags(self, method: str, iters: int, metrics: Path, evaluate: bool) -> list[str]:
-        a = self.args
-        flags = _with_flag(self.cfg["pretrain"], "--train-iters", iters)
-        if iters != self.cfg["iters"] and flag_value(flags, "--lr-decay-iters") is None:
-            flags += ["--lr-decay-iters", str(self.cfg["iters"])]  # a short run keeps the full run's schedule
-        flags += ["--seed", str(a.seed), "--log-interval", "1", "--metrics-file", str(metrics),
-                  "--eval-interval", str(a.eval_interval if evaluate else iters),
-                  "--eval-iters", str(a.eval_iters if evaluate else 0)]
-        extra = METHODS[method][1]
-        if extra is None:  # compute-only: one cluster alone, its share of the global batch
-            return _with_flag(flags, "--global-batch-size", self.cfg["gbs"] // a.clusters)
-        flags += ["--dilocox-clusters", str(a.clusters), *(f.format(overlap=a.overlap_mode) for f in extra)]
-        if extra:
-            flags += ["--dilocox-local-steps", str(a.local_steps)]
-            for flag, value in (("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
-                if value is not None:
-                    flags += [flag, str(value)]
-            if a.outer_momentum == 0:  # plain outer SGD: Nesterov needs momentum
-                flags += ["--dilocox-no-nesterov"]
-            if method == "dilocox-overlap-compressed":
-                flags += self.cfg["compression"]
-        return flags
-
-    def _launch(self, name: str, cmds: list[list[str]], metrics: list[Path], shaped: bool, iters: int) -> dict:
-        for m in metrics:
-            m.unlink(missing_ok=True)
-        logs = [self.out / f"{name}{'-c%d' % k if len(cmds) > 1 else ''}.log" for k in range(len(cmds))]
-        self.commands[name] = [" ".join(c) for c in cmds]
-        before = [netns.link_stats(self.wan.namespace(k))["tx_bytes"] for k in range(self.wan.clusters)]
-        last = [None]
-
-        def progress():
-            try:
-                train = [r for r in read_records(metrics[-1]) if "lm_loss" in r]
-            except FileNotFoundError:
-                return
-            if train and train[-1] is not last[0]:
-                r = last[0] = train[-1]
-                print(f"    {name}: iteration {r['iteration']}/{iters}  loss {r['lm_loss']:.3f}  "
-                      f"{r['tokens_per_sec']:.0f} tokens/s  {r['elapsed_s']:.0f} s", flush=True)
-
-        start = time.monotonic()
-        launch.run(cmds, logs, poll=progress, poll_s=15.0,
-                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-        progress()  # the last iteration, also for runs shorter than one poll
-        after = [netns.link_stats(self.wan.namespace(k))["tx_bytes"] for k in range(self.wan.clusters)]
-        tx = [b - a for a, b in zip(before, after)]
-        print(f"    {name}: done in {time.monotonic() - start:.0f} s; "
-              f"link tx per cluster (interface counters): {', '.join(f'{b / 2**20:.1f} MiB' for b in tx)}"
-              f"{'' if shaped else ' (unshaped run on loopback)'}", flush=True)
-        return dict(link_tx_bytes=tx if shaped else None)
-
-    def spanning(self, method: str, iters: int, shaped: bool, tag: str, evaluate: bool = True) -> tuple[Path, dict]:
-        """One job over all clusters, through the shaped links or (unshaped) all in one namespace."""
-        a, name = self.args, f"{method}{tag}"
-        metrics = self.out / f"{name}.jsonl"
-        flags = ["pretrain_gpt.py", *self._flags(method, iters, metrics, evaluate)]
-        if shaped:
-            cmds = launch.spanning_job([self.wan.namespace(k) for k in range(a.clusters)], self.wan.address(0),
-                                       a.ranks_per_cluster, flags, a.master_port)
-        else:  # every rank in cluster 0's namespace, over its loopback
-            cmds = [launch.in_namespace(self.wan.namespace(0), launch.torchrun_cmd(
-                1, 0, a.clusters * a.ranks_per_cluster, "127.0.0.1", a.master_port, flags))]
-        return metrics, self._launch(name, cmds, [metrics], shaped, iters)
-
-    def compute_only(self) -> tuple[list[Path], dict]:
-        a = self.args
-        metrics = [self.out / f"compute-only-c{k}.jsonl" for k in range(a.clusters)]
-        cmds = [launch.in_namespace(self.wan.namespace(k), launch.torchrun_cmd(
-            1, 0, a.ranks_per_cluster, self.wan.address(k), a.master_port,
-            ["pretrain_gpt.py", *self._flags("compute-only", self.cfg["iters"], metrics[k], True)]))
-            for k in range(a.clusters)]
-        return metrics, self._launch("compute-only", cmds, metrics, True, self.cfg["iters"])
-
-    def run(self, method: str) -> dict:
-        label = METHODS[method][0].format(overlap=self.args.overlap_mode)
-        print(f"> {label} ({method})", flush=True)
-        if method == "compute-only":
-            paths, link = self.compute_only()
-            return dict(method=method, label=label, kind="measured", **link, **compute_only_figures(paths))
-        n = self.cfg["shaped"].get(method)
-        if n is None:
-            path, link = self.spanning(method, self.cfg["iters"], True, "")
-            return dict(method=method, label=label, kind="measured", **link, **measured_figures(path))
-        full, _ = self.spanning(method, self.cfg["iters"], False, "-unshaped")
-        short, link = self.spanning(method, n, True, "-shaped", evaluate=False)
-        unit = 1 if method == "allreduce" else self.args.local_steps
-        return dict(method=method, label=label, kind=f"projected ({n} shaped its)", **link,
-                    **projected_figures(full, short, unit))
-
-
-def _final_bytes(records: list[dict]) -> int:
-    """Cross-cluster bytes sent by the metrics rank: the per-round records under DiLoCoX (complete,
-    drain included), else the cumulative count of the last training record."""
-    rounds = [r["bytes_sent"] for r in records if "outer_step" in r]
-    train = [r for r in records if "lm_loss" in r]
-    return sum(rounds) if rounds else int(train[-1].get("cross_cluster_bytes") or 0)
-
-
-def _eval_s(records: list[dict]) -> float:
-    """Seconds spent in validation during training (the final evaluation comes after the clock)."""
-    last = max(r["iteration"] for r in records if "lm_loss" in r)
-    return sum(r["eval_s"] for r in records if "val_loss" in r and r["iteration"] < last)
-
-
-def _curve(records: list[dict], time_of) -> list[dict]:
-    """Validation points: iteration, tokens, seconds, cumulative cross-cluster bytes, loss."""
-    train = {r["iteration"]: r for r in records if "lm_loss" in r}
-    points = []
-    for r in records:
-        if "val_loss" in r and r["iteration"] in train:
-            t = train[r["iteration"]]
-            points.append(dict(iteration=r["iteration"], tokens=t["tokens"], time_s=time_of(t),
-                               bytes=int(t.get("cross_cluster_bytes") or 0), val_loss=r["val_loss"]))
-    if points:
-        points[-1]["bytes"] = _final_bytes(records)
-    return points
-
-
-def measured_figures(path: Path) -> dict:
-    s, records = summarize(str(path)), read_records(path)
-    drain = sum(r["wait_s"] for r in records if r.get("drain"))  # last round's in-flight reduction
-    train, wall = s["train_s"] + drain, s["wall_s"] + drain
-    curve = _curve(records, lambda t: t["train_s"])
-    curve[-1]["time_s"] = train
-    return dict(tokens=s["tokens"], train_s=train, wall_s=wall, tokens_per_s=s["tokens"] / train,
-                tokens_per_s_wall=s["tokens"] / wall, val_loss=s["val_loss"],
-                cross_cluster_bytes=_final_bytes(records), curve=curve)
-
-
-def projected_figures(full: Path, short: Path, unit: int) -> dict:
-    """Loss and bytes of the unshaped full run; time = tokens / steady shaped throughput."""
-    s, records = summarize(str(full)), read_records(full)
-    train = [r for r in read_records(short) if "lm_loss" in r]
-    first, last = next(r for r in train if r["iteration"] == unit), train[-1]
-    rate = (last["tokens"] - first["tokens"]) / (last["train_s"] - first["train_s"])
-    wall = s["tokens"] / rate + _eval_s(records)  # validation as long as in the unshaped run
-    return dict(tokens=s["tokens"], train_s=s["tokens"] / rate, wall_s=wall, tokens_per_s=rate,
-                tokens_per_s_wall=s["tokens"] / wall, val_loss=s["val_loss"],
-                cross_cluster_bytes=_final_bytes(records), curve=_curve(records, lambda t: t["tokens"] / rate),
-                shaped_window=dict(first_iteration=first["iteration"], last_iteration=last["iteration"],
-                                   seconds=last["train_s"] - first["train_s"]))
-
-
-def compute_only_figures(paths: list[Path]) -> dict:
-    """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean."""
-    runs = [summarize(str(p)) for p in paths]
-    curves = [_curve(read_records(p), lambda t: t["train_s"]) for p in paths]
-    curve = [dict(iteration=pts[0]["iteration"], tokens=sum(p["tokens"] for p in pts),
-                  time_s=max(p["time_s"] for p in pts), bytes=0,
-                  val_loss=sum(p["val_loss"] for p in pts) / len(pts)) for pts in zip(*curves)]
-    return dict(tokens=sum(r["tokens"] for r in runs), train_s=max(r["train_s"] for r in runs),
-                wall_s=max(r["wall_s"] for r in runs), tokens_per_s=sum(r["tokens"] / r["train_s"] for r in runs),
-                tokens_per_s_wall=sum(r["tokens"] / r["wall_s"] for r in runs),
-                val_loss=sum(r["val_loss"] for r in runs) / len(runs), cross_cluster_bytes=0, curve=curve,
-                per_cluster_val_loss=[r["val_loss"] for r in runs])
-
-
-def add_ratios(results: list[dict]) -> None:
-    base = next((r for r in results if r["method"] == "allreduce"), None)
-    limit = next((r for r in results if r["method"] == "compute-only"), None)
-    for r in results:
-        r["speedup_vs_allreduce"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
-        r["fraction_of_compute_only"] = r["tokens_per_s"] / limit["tokens_per_s"] if limit else None
-        r["fraction_of_compute_only_wall"] = r["tokens_per_s_wall"] / limit["tokens_per_s_wall"] if limit else None
-        r["val_loss_gap_vs_allreduce"] = r["val_loss"] / base["val_loss"] - 1 if base else None
-
-
-def table(results: list[dict]) -> str:
-    def fmt(value, spec, scale=1.0):
-        return "n/a" if value is None else format(value * scale, spec)
-
-    header = (f"{'method':<26} {'tokens':>9} {'train s':>8} {'tokens/s':>9} {'x AllRed':>8} {'of c-only':>9} "
-              f"{'wall s':>8} {'(of c-only)':>11} {'x-cluster MiB/rank':>18} {'val loss':>8} {'vs AllRed':>9}  how")
-    lines = [header, "-" * len(header)]
-    for r in results:
-        gap = "" if r["val_loss_gap_vs_allreduce"] is None else f"{100 * r['val_loss_gap_vs_allreduce']:+.1f}%"
-        lines.append(
-            f"{r['label']:<26} {r['tokens']:>9,} {r['train_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
-            f"{fmt(r['speedup_vs_allreduce'], '.1f'):>7}x {fmt(r['fraction_of_compute_only'], '.1%'):>9} "
-            f"{r['wall_s']:>8.1f} {fmt(r['fraction_of_compute_only_wall'], '.1%'):>11} "
-            f"{r['cross_cluster_bytes'] / 2**20:>18,.2f} {r['val_loss']:>8.4f} {gap:>9}  {r['kind']}")
-    return "\n".join(lines)
-
-
-def plot(results: list[dict], out: Path, title: str) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for key, xlabel, fname in (("time_s", "training time (s), validation excluded", "loss_vs_time.png"),
-                               ("bytes", "cross-cluster bytes sent per rank", "loss_vs_bytes.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in results:
-            pts = [p for p in r["curve"] if key == "time_s" or p["bytes"] > 0]
-            if pts:
-                style = "--" if r["kind"].startswith("projected") else "-"
-                ax.plot([p[key] for p in pts], [p["val_loss"] for p in pts], style, marker="o", ms=3,
-                        label=r["label"] + (" (projected)" if style == "--" else ""))
-        ax.set_xscale("log")
-        ax.set_xlabel(xlabel + " (log scale)")
-        ax.set_ylabel("validation loss")
-        ax.set_title(title + ("" if key == "time_s" else "\n(compute-only sends nothing: not shown)"), fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=120)
-        plt.close(fig)
-        paths.append(out / fname)
-    return paths
 
 
 def main(argv=None) -> int:
