@@ -1,4 +1,5 @@
-"""tools/calibrate_planner.py: the fit and the predicted-vs-measured rows, on synthetic metrics."""
+"""tools/calibrate_planner.py (tools/calibration/): the fit and the predicted-vs-measured rows, on
+synthetic metrics; the wait for a quiet machine."""
 import io
 import json
 import sys
@@ -10,7 +11,9 @@ from launch import REPO
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO))
 
-import calibrate_planner as cal  # noqa: E402
+from calibration import quiet  # noqa: E402
+from calibration.prediction import fit_elementwise, predict, predicted_step  # noqa: E402
+from calibration.table import table as rows_table  # noqa: E402
 
 FIG = {"cpu_gflops": [100.0, 180.0], "intra_gbps": 8.0, "tp_gbps": 4.0}
 
@@ -29,21 +32,21 @@ def _metrics(path, step_s: list[float], bytes_per_step: float = 0.0) -> None:
 def test_fit_and_rows(tmp_path):
     # h256 DP2 measured at 0.5 s in its fastest window after warm-up (the first window is dropped)
     _metrics(tmp_path / "h256-dp2.jsonl", [9.0, 0.6, 0.5, 0.55])
-    ns = cal.fit_elementwise("data", str(tmp_path), {"h256": FIG})
-    p, _ = cal.predict("h256", "dp2", "data", FIG, ns)
-    assert ns > 0 and cal.predicted_step(p, "dp2") == pytest.approx(0.5, rel=1e-6)
+    ns = fit_elementwise("data", str(tmp_path), {"h256": FIG})
+    p, _ = predict("h256", "dp2", "data", FIG, ns)
+    assert ns > 0 and predicted_step(p, "dp2") == pytest.approx(0.5, rel=1e-6)
     # the AllReduce row is its inner step plus the cross-cluster gradient all-reduce; DiLoCoX's is
     # its round over H (the exchange hidden in delay mode): the same inner step
-    ar, _ = cal.predict("h256", "allreduce-2xpp2", "data", FIG, ns)
-    dlx, _ = cal.predict("h256", "dilocox-2xpp2", "data", FIG, ns)
-    assert cal.predicted_step(ar, "allreduce-2xpp2") == pytest.approx(ar.step.total + ar.allreduce.comm)
+    ar, _ = predict("h256", "allreduce-2xpp2", "data", FIG, ns)
+    dlx, _ = predict("h256", "dilocox-2xpp2", "data", FIG, ns)
+    assert predicted_step(ar, "allreduce-2xpp2") == pytest.approx(ar.step.total + ar.allreduce.comm)
     assert ar.allreduce.comm > 0
-    assert cal.predicted_step(dlx, "dilocox-2xpp2") == pytest.approx(dlx.step.total)
+    assert predicted_step(dlx, "dilocox-2xpp2") == pytest.approx(dlx.step.total)
     # a row 20% slower than predicted reads -16.7%; bytes per step are compared with the planner's
     per_step = ar.allreduce.per_stage[-1]
-    _metrics(tmp_path / "h256-allreduce-2xpp2.jsonl", [9.0] + [1.2 * cal.predicted_step(ar, "allreduce-2xpp2")] * 4,
+    _metrics(tmp_path / "h256-allreduce-2xpp2.jsonl", [9.0] + [1.2 * predicted_step(ar, "allreduce-2xpp2")] * 4,
              per_step)
-    table = cal.table(["h256"], ["dp2", "allreduce-2xpp2"], "data", str(tmp_path), {"h256": FIG}, ns)
+    table = rows_table(["h256"], ["dp2", "allreduce-2xpp2"], "data", str(tmp_path), {"h256": FIG}, ns)
     rows = table.splitlines()[2:]
     assert len(rows) == 2 and "| dp2 (fitted) |" in rows[0] and "+0.0%" in rows[0]
     assert "-16.7%" in rows[1] and f"{int(per_step):,}/step" in rows[1]
@@ -61,7 +64,8 @@ def test_cpu_busy_from_proc_stat(monkeypatch):
         assert path == "/proc/stat"
         return io.StringIO(next(snapshots))
 
-    monkeypatch.setattr(cal, "open", read, raising=False)
-    monkeypatch.setattr(cal.time, "sleep", slept.append)
-    assert cal.cpu_busy(0.5) == pytest.approx(250 / 800)
+    monkeypatch.setattr(quiet, "open", read, raising=False)
+    monkeypatch.setattr(quiet.time, "sleep", slept.append)
+    assert quiet.cpu_busy(0.5) == pytest.approx(250 / 800)
     assert slept == [0.5]
+
