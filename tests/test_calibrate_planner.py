@@ -69,3 +69,23 @@ def test_cpu_busy_from_proc_stat(monkeypatch):
     assert quiet.cpu_busy(0.5) == pytest.approx(250 / 800)
     assert slept == [0.5]
 
+
+def test_wait_quiet_needs_three_quiet_seconds_in_a_row(monkeypatch):
+    # a busy second starts the count again: quiet, quiet (at the limit), busy, then three quiet ones
+    shares = iter([0.05, 0.1, 0.5, 0.02, 0.08, 0.03, 0.9])
+    monkeypatch.setattr(quiet, "cpu_busy", lambda: next(shares))
+    assert quiet.wait_quiet(0.1) == 0.03
+    assert next(shares) == 0.9  # nothing read after the third quiet second
+
+
+def test_table_only_reprints_from_the_measured_files(tmp_path, capsys):
+    import calibrate_planner
+
+    (tmp_path / "machine.json").write_text(json.dumps({"h256": {**FIG, "load": 0.5}}))
+    _metrics(tmp_path / "h256-dp2.jsonl", [9.0, 0.6, 0.5, 0.55])
+    assert calibrate_planner.main(["--table-only", "--out", str(tmp_path), "--models", "h256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "> h256: --cpu-gflops 100.0 180.0 --intra-bandwidth-gbps 8.00 --tp-bandwidth-gbps 4.00 " \
+                     "(measured under load 0.50)"
+    assert out[1].startswith("> --cpu-elementwise-ns ") and out[1].endswith(" (fitted to h256 dp2)")
+    assert len(out) == 5 and "| h256 | dp2 (fitted) | 2 |" in out[4]  # header, rule, the one measured run
