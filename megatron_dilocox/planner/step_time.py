@@ -34,10 +34,11 @@ class StepTime:
     """CPU mode: all processes' compute over the shared cores (0 on GPUs)."""
     compute: float
     bubble_factor: float
+    """Not seconds: the share the 1F1B bubble adds to the slowest stage's work."""
     intra_allreduce: float
     total: float
     tokens_per_step: int
-    """Over all clusters."""
+    """Not seconds: the tokens of one step over all clusters."""
 
 
 def layer_matmul_flops(m: ModelShape, tp: int = 1) -> float:
