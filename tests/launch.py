@@ -15,12 +15,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env(**extra: str) -> dict:
+    """The environment of a test's worker processes: one thread each (the machine's cores are
+    shared), no warnings, then ``extra``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+
+
 def torchrun(nproc: int, script: str, args: list[str], timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """Runs ``script`` under torchrun on ``nproc`` CPU processes; fails the test with the output tail."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc

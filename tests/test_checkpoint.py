@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from launch import REPO, free_port, read_jsonl, torchrun
+from launch import REPO, free_port, read_jsonl, torchrun, worker_env
 from megatron_dilocox.checkpoint import files
 
 ITERS = 8
@@ -145,8 +145,7 @@ def test_resharded_weights_give_the_same_validation_loss(runs):
 def _kill_mid_save(root):
     """Runs a 1-rank job that saves every iteration and SIGKILLs it while a save is half-written."""
     cmd = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", "200", "--save", str(root), "--save-interval", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": "0", "LOCAL_RANK": "0",
-           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = worker_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 300
@@ -252,7 +251,7 @@ def test_bad_checkpoints_fail_clearly_and_a_killed_save_keeps_the_last_one(runs,
 
 def _tool(*argv):
     proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                          env=worker_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout
 

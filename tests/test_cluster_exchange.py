@@ -4,7 +4,6 @@ three single-rank clusters as separate processes around one Lighthouse. One clus
 single-process replay of the same rounds."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 import pytest
 import torch
 
-from launch import REPO
+from launch import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -33,7 +32,7 @@ class Cluster:
         self.name, self.records = name, []
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "cluster_worker.py"), *argv],
                                      stdout=subprocess.PIPE, stderr=log, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                                     env=worker_env())
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
 

@@ -2,7 +2,6 @@
 megatron_dilocox.launch``): the same numbers as one world spanning the clusters, and a lost
 cluster that does not stop the others."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import time
 
 import psutil
 
-from launch import REPO, read_jsonl, torchrun
+from launch import REPO, read_jsonl, torchrun, worker_env
 
 from megatron_dilocox.payload import HANDSHAKE_BYTES
 from tools.fault_soak import cluster_workers
@@ -20,16 +19,15 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
          "--eval-iters", "1", "--dilocox", "--dilocox-local-steps", "5"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 # Not compared record by record: timings, and the running byte total, which counts a background
 # exchange in whichever record comes after it (compared at the end).
 UNPAIRED = ("tokens_per_sec", "codec_fraction", "cross_cluster_bytes")
 
 
-def launch(clusters, nproc, flags, args=(), script=REPO / "pretrain_gpt.py", env=ENV):
+def launch(clusters, nproc, flags, args=(), script=REPO / "pretrain_gpt.py", env=None):
     cmd = [sys.executable, "-m", "megatron_dilocox.launch", "--clusters", str(clusters),
            "--nproc-per-cluster", str(nproc), *args, "--", str(script), *flags]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env or worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _numbers(records):
@@ -166,7 +164,7 @@ def test_a_corrupt_payload_is_dropped_and_its_sender_goes_on(tmp_path):
     other round averages both, and both clusters end at the same validation loss."""
     flags = MODEL + ["--train-iters", "40", "--eval-interval", "20", "--metrics-file", str(tmp_path / "m.jsonl")]
     jobs = launch(2, 1, flags, script=REPO / "tests" / "corrupting_pretrain.py",
-                  env={**ENV, "CORRUPT_CLUSTER_ROUND": "1:2"})
+                  env=worker_env(CORRUPT_CLUSTER_ROUND="1:2"))
     out, _ = jobs.communicate(timeout=900)
     assert jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
     named = [line for line in out.splitlines() if "round 2: 1 of 2 clusters delivered (cluster 1:" in line]
