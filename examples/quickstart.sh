@@ -3,7 +3,8 @@
 #   1. install the pinned CPU stack into .venv
 #   2. build a corpus from this Python's own standard library docs, train a SentencePiece
 #      tokenizer on it and write megatron .bin/.idx files
-#   3. pretrain a small GPT with DiLoCoX: 2 clusters x 2 ranks (pipeline-parallel) on 4 processes
+#   3. pretrain a small GPT with DiLoCoX: 2 clusters, each its own torchrun job of 2 ranks
+#      (pipeline-parallel), joined by a torchft Lighthouse: 4 processes
 #   4. pretrain the same model on the same tokens with vanilla AllReduce
 #   5. print both side by side: validation loss and cross-cluster bytes
 # Usage: bash examples/quickstart.sh        (ITERS=300 bash examples/quickstart.sh trains longer)
@@ -20,10 +21,14 @@ source examples/quickstart_gpt.sh
 build_quickstart_data
 LOG_ARGS=(--log-interval 20 --eval-interval 40 --eval-iters 6 --seed 1234)
 
-echo "> DiLoCoX: 2 clusters x (PP=2), H=10 local steps, one-step-delay overlap landing 1 step in, top-k 2-bit exchange"
-torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
-  "${LOG_ARGS[@]}" "${LAYOUT_ARGS[@]}" --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" \
-  2> "$OUT/dilocox.stderr"
+# Each cluster is its own torchrun job (its own rendezvous and world); the two meet only in the
+# outer exchange, through a torchft Lighthouse the launcher starts (docs/reliability.md). Both
+# jobs' output goes to $OUT/dilocox.log, prefixed "[cluster K]"; cluster 0's progress is shown.
+echo "> DiLoCoX: 2 clusters, each its own job of 2 ranks (PP=2), H=10 local steps, one-step-delay overlap landing 1 step in, top-k 2-bit exchange"
+python -m megatron_dilocox.launch --clusters 2 --nproc-per-cluster 2 -- pretrain_gpt.py "${MODEL_ARGS[@]}" \
+  "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${LOG_ARGS[@]}" --pipeline-model-parallel-size 2 \
+  --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" 2>&1 \
+  | tee "$OUT/dilocox.log" | { grep --line-buffered -E '^\[cluster 0\] +(\[|validation|> )|^> ' || true; }
 
 echo "> AllReduce baseline: the same 2 x (PP=2) ranks, gradients reduced across clusters every step"
 torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
@@ -32,4 +37,5 @@ torchrun --nproc-per-node 4 pretrain_gpt.py "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}
 echo
 python tools/compare_runs.py DiLoCoX="$OUT/dilocox.jsonl" AllReduce="$OUT/allreduce.jsonl"
 echo
-echo "> metrics (JSON lines): $OUT/dilocox.jsonl $OUT/allreduce.jsonl; launcher logs: $OUT/*.stderr"
+echo "> metrics (JSON lines): $OUT/dilocox.jsonl (cluster 0; cluster 1: $OUT/dilocox.cluster-1.jsonl) $OUT/allreduce.jsonl"
+echo "> logs: $OUT/dilocox.log (both clusters) $OUT/allreduce.stderr"
