@@ -300,8 +300,14 @@ class ExchangeConfig:
     """This job's cluster, 0 to C-1 (needed with --dilocox-lighthouse)."""
 
     min_clusters: int = 1
-    """Fewest live clusters an outer round may be applied with; below it the survivors stop with
-    a one-line error."""
+    """Fewest live clusters an outer round may be applied with; below it the survivors save a
+    checkpoint (with --save) and stop with a one-line error, unless --dilocox-rejoin-timeout-s
+    lets them wait for clusters to come back."""
+
+    rejoin_timeout_s: float = 0.0
+    """Below --dilocox-min-clusters, how long beyond --dilocox-failure-timeout-s the survivors
+    wait in the round for clusters to (re)join (a restarted cluster heals from them and the
+    round goes on with it); 0: they stop after --dilocox-failure-timeout-s."""
 
     failure_timeout_s: float = 60.0
     """Bound on one outer round, retries included: a cluster that died or froze mid-round is
@@ -329,3 +335,5 @@ class ExchangeConfig:
         for flag, value in (("failure", self.failure_timeout_s), ("startup", self.startup_timeout_s)):
             if not value > 0:
                 raise ValueError(f"--dilocox-{flag}-timeout-s must be > 0, got {value}")
+        if not self.rejoin_timeout_s >= 0:
+            raise ValueError(f"--dilocox-rejoin-timeout-s must be >= 0, got {self.rejoin_timeout_s}")

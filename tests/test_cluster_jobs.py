@@ -61,6 +61,14 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     assert "cross-cluster bytes between boundaries: 0 |" in out
 
 
+def _kill_worker(k):
+    """SIGKILL cluster k's training process only: its torchrun agent sees the failure and restarts it."""
+    workers = cluster_workers(k)
+    for p in workers:
+        p.send_signal(signal.SIGKILL)
+    return len(workers)
+
+
 def _kill_cluster(k):
     """SIGKILL every process of cluster k's job (its torchrun agent and workers), as a lost machine."""
     victims = [p for p in psutil.process_iter(["cmdline"])
@@ -154,6 +162,39 @@ def test_a_restarted_cluster_rejoins_from_a_live_peer(tmp_path):
     # evaluate the same batches: the same validation losses (at 60, the join's own iteration, and 120).
     vals = [[(r["iteration"], r["val_loss"]) for r in m if "val_loss" in r] for m in metrics]
     assert vals[0] == vals[1] and [it for it, _ in vals[0]] == [60, 120], vals
+
+
+def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):
+    """2 single-rank clusters, ``--dilocox-min-clusters 2 --dilocox-rejoin-timeout-s 600``: cluster
+    1's worker is killed after iteration 10 and restarted by torchrun. Cluster 0 cannot apply a
+    round alone and waits in it, past ``--dilocox-failure-timeout-s``, instead of stopping; the
+    restarted cluster heals from it in that round and both finish: every round but the one it
+    joined in averages both, and the two end at the same validation loss."""
+    flags = MODEL + ["--train-iters", "40", "--eval-interval", "20", "--dilocox-sync-mode", "sync",
+                     "--dilocox-compression", "none", "--dilocox-min-clusters", "2", "--dilocox-failure-timeout-s", "5",
+                     "--dilocox-rejoin-timeout-s", "600", "--metrics-file", str(tmp_path / "m.jsonl")]
+    jobs = launch(2, 1, flags, args=["--max-restarts", "1"])
+    lines, killed = [], False
+    deadline = time.monotonic() + 900
+    for line in jobs.stdout:
+        lines.append(line)
+        if not killed and line.startswith("[cluster 1]") and "iteration       10/" in line:
+            assert _kill_worker(1) == 1
+            killed = True
+        assert time.monotonic() < deadline, "".join(lines[-80:])
+    jobs.wait(timeout=60)
+    out = "".join(lines)
+    assert killed and jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
+    assert "saving a checkpoint before stopping" not in out
+    metrics = [read_jsonl(tmp_path / name) for name in ("m.jsonl", "m.cluster-1.jsonl")]
+    rounds = [(r["iteration"], r["participants"]) for r in metrics[0] if "outer_step" in r]
+    assert [it for it, _ in rounds] == list(range(5, 45, 5)), rounds  # no round was skipped or lost
+    assert [n for _, n in rounds].count(1) == 1 and rounds[0][1] == rounds[1][1] == 2, rounds  # the join's
+    # Cluster 0 waited in that round for longer than a round may take without the rejoin timeout
+    # (a restart and its imports take well over 5 s).
+    assert next(r["wait_s"] for r in metrics[0] if r.get("participants") == 1) > 5
+    vals = [[(r["iteration"], r["val_loss"]) for r in m if "val_loss" in r] for m in metrics]
+    assert vals[0][-1] == vals[1][-1], vals
 
 
 def test_a_corrupt_payload_is_dropped_and_its_sender_goes_on(tmp_path):

@@ -19,7 +19,8 @@ so the ranks that hold the same shard in every live cluster exchange with each o
 3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
    a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
    with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
-   round began; then :class:`ClusterLossError`.
+   round began (plus ``rejoin_timeout_s`` while fewer than ``min_clusters`` are live); then
+   :class:`ClusterLossError`.
 
 A cluster that dies mid-round costs the others one failed attempt: the all-gather errors (a
 reset connection) or times out (a frozen peer, after ``failure_timeout_s``), and the next quorum
@@ -157,6 +158,7 @@ class ClusterExchange:
         cfg, mgr = self.config, self.manager
         payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
         begin, attempts, why, healed = time.monotonic(), 0, "no quorum", False
+        members = self.clusters  # of the last quorum
         while True:
             attempts += 1
             before = mgr.current_step()
@@ -164,7 +166,7 @@ class ClusterExchange:
                 mgr.start_quorum(timeout=timedelta(seconds=max(1.0, self._left(begin))))
             except Exception as err:  # the Lighthouse gave no quorum in time
                 why = f"quorum: {err}"
-                self._give_up_if_late(begin, why)
+                self._give_up_if_late(begin, why, grace=self._rejoin_grace(members))
                 continue
             healed = healed or mgr.current_step() != before  # its payload stays stale on a retry too
             members = mgr.num_participants()
@@ -201,7 +203,9 @@ class ClusterExchange:
                 return delivery
             if members < cfg.min_clusters:
                 why = f"{members} live clusters, --dilocox-min-clusters is {cfg.min_clusters}"
-            self._give_up_if_late(begin, why)
+                if cfg.rejoin_timeout_s:
+                    why += f"; waited --dilocox-rejoin-timeout-s {cfg.rejoin_timeout_s:g} more for a rejoin"
+            self._give_up_if_late(begin, why, grace=self._rejoin_grace(members))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -209,8 +213,12 @@ class ClusterExchange:
     def _left(self, begin: float) -> float:
         return self.config.failure_timeout_s - (time.monotonic() - begin)
 
-    def _give_up_if_late(self, begin: float, why: str) -> None:
-        if self._left(begin) <= 0:
+    def _rejoin_grace(self, members: int) -> float:
+        """Extra seconds a round may wait while fewer than ``min_clusters`` are live."""
+        return self.config.rejoin_timeout_s if members < self.config.min_clusters else 0.0
+
+    def _give_up_if_late(self, begin: float, why: str, grace: float = 0.0) -> None:
+        if self._left(begin) + grace <= 0:
             raise ClusterLossError(f"cluster {self.config.cluster_index}: no outer round committed within "
                                    f"--dilocox-failure-timeout-s {self.config.failure_timeout_s:g} ({why})")
 
