@@ -5,9 +5,11 @@ A field ``local_steps: int = 20`` of a section with prefix ``dilocox`` becomes
 ``--dilocox-local-steps`` (type from the annotation, default from the field, help from the first
 paragraph of its docstring); ``metadata`` may rename the flag (``flag``), restrict its values
 (``choices``) or leave its default to be resolved after parsing (``resolved``: the flag defaults
-to None). Booleans: off by default -> a switch (``store_true``); on by default -> ``--P-no-NAME``;
-``bool | None`` -> ``--P-NAME`` / ``--no-P-NAME``. No torch here: tools/plan.py builds its
-parser from the same fields.
+to None). A field without a default is a required flag; ``list[T]`` takes any number of values.
+Booleans: off by default -> a switch (``store_true``); on by default -> ``--P-no-NAME``;
+``bool | None`` -> ``--P-NAME`` / ``--no-P-NAME``. A section without prefix (``prefix=None``)
+has flags ``--NAME`` (``--no-NAME``) and its values under the fields' own names. No torch here:
+tools/plan.py builds its parser from the same fields.
 """
 from __future__ import annotations
 
@@ -49,14 +51,15 @@ def _name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", f.name.replace("_", "-"))
 
 
-def flag_name(f: dataclasses.Field, prefix: str) -> str:
-    """``--PREFIX-NAME`` of a field, without the ``no-``."""
-    return f"--{prefix}-{_name(f)}"
+def flag_name(f: dataclasses.Field, prefix: str | None, negated: bool = False) -> str:
+    """``--PREFIX-NAME`` of a field (``--PREFIX-no-NAME`` when ``negated``)."""
+    name = ("no-" if negated else "") + _name(f)
+    return f"--{prefix}-{name}" if prefix else f"--{name}"
 
 
-def dest(f: dataclasses.Field, prefix: str) -> str:
+def dest(f: dataclasses.Field, prefix: str | None) -> str:
     """The attribute of the parsed namespace that holds a field's value."""
-    return f"{prefix}_{_name(f)}".replace("-", "_")
+    return f"{prefix}_{_name(f)}".replace("-", "_") if prefix else f.name
 
 
 def _value_type(cls, f: dataclasses.Field) -> tuple[type, bool]:
@@ -69,7 +72,7 @@ def _value_type(cls, f: dataclasses.Field) -> tuple[type, bool]:
     return hint, False
 
 
-def add_flags(group, cls, prefix: str, *, names=None, unset: bool = False) -> None:
+def add_flags(group, cls, prefix: str | None, *, names=None, unset: bool = False) -> None:
     """Adds a flag per field of ``cls`` (those in ``names`` if given) to an argparse group.
 
     ``unset``: every flag defaults to None (a caller that fills in what was not given, such as
@@ -81,24 +84,28 @@ def add_flags(group, cls, prefix: str, *, names=None, unset: bool = False) -> No
             continue
         value_type, optional = _value_type(cls, f)
         common = dict(dest=dest(f, prefix), help=help_text(docs[f.name]))
-        default = None if unset or f.metadata.get("resolved") else f.default
-        if value_type is not bool:
-            group.add_argument(flag_name(f, prefix), type=value_type, default=default,
+        required = f.default is dataclasses.MISSING
+        default = None if unset or required or f.metadata.get("resolved") else f.default
+        if typing.get_origin(value_type) is list:
+            (item_type,) = typing.get_args(value_type)
+            group.add_argument(flag_name(f, prefix), type=item_type, nargs="*", default=default, **common)
+        elif value_type is not bool:
+            group.add_argument(flag_name(f, prefix), type=value_type, default=default, required=required,
                                choices=f.metadata.get("choices"), **common)
         elif optional:
             group.add_argument(flag_name(f, prefix), action=argparse.BooleanOptionalAction, default=None, **common)
         elif f.default:
-            group.add_argument(f"--{prefix}-no-{_name(f)}", action="store_false", default=default, **common)
+            group.add_argument(flag_name(f, prefix, negated=True), action="store_false", default=default, **common)
         else:
             group.add_argument(flag_name(f, prefix), action="store_true", default=default, **common)
 
 
-def defaults(cls, prefix: str, names=None) -> dict:
+def defaults(cls, prefix: str | None, names=None) -> dict:
     """The field defaults of ``cls`` by namespace attribute (what ``add_flags`` would default to)."""
     return {dest(f, prefix): f.default for f in dataclasses.fields(cls) if names is None or f.name in names}
 
 
-def from_args(cls, args, prefix: str, names=None, **given):
+def from_args(cls, args, prefix: str | None, names=None, **given):
     """An instance of ``cls`` from a parsed namespace (only the fields in ``names`` if given, the
     others at their defaults); ``given`` replaces fields resolved elsewhere."""
     values = {f.name: getattr(args, dest(f, prefix)) for f in dataclasses.fields(cls)
