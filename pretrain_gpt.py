@@ -44,29 +44,29 @@ def _error(message: str) -> int:
     return 2
 
 
-def _interrupted(args) -> int:
+def _interrupted(save: str | None) -> int:
     """One line from rank 0 on Ctrl-C: what was kept."""
     # A save in flight is not published, and its writer processes would keep the interpreter from
     # exiting (it joins them; they wait for someone to read their results).
     for child in multiprocessing.active_children():
         child.terminate()
     if _is_rank0():
-        if not args.save:
+        if not save:
             kept = "nothing kept (no --save)"
         else:
             from megatron_dilocox.checkpoint import files
 
             try:
-                kept = f"last checkpoint {files.latest(args.save)} (resume with --load {args.save})"
+                kept = f"last checkpoint {files.latest(save)} (resume with --load {save})"
             except CheckpointError:
-                kept = f"no checkpoint saved in {args.save} yet"
+                kept = f"no checkpoint saved in {save} yet"
         print(f"{PROG}: interrupted: {kept}", file=sys.stderr, flush=True)
     return 128 + signal.SIGINT
 
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(argv)
+        run_config = parse_args(argv)
     except ConfigError as err:
         return _error(str(err))
     interrupt.install()
@@ -76,13 +76,13 @@ def main(argv=None) -> int:
         cpu.prepare()  # before megatron-core is imported: without CUDA it must see the CPU
         from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
 
-        run(args)
+        run(run_config)
     except (ConfigError, ClusterLossError) as err:
         return _error(str(err))
     except ModuleNotFoundError as err:
         return _error(missing_dependency(err))
     except KeyboardInterrupt:
-        return _interrupted(args)
+        return _interrupted(run_config.checkpoint.save)
     return 0
 
 

@@ -12,6 +12,12 @@ class ConfigError(ValueError):
     """A user error in flags or input files; its message is one line naming the culprit."""
 
 
+def require(condition, message: str) -> None:
+    """Raises ConfigError(message) unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""
 

@@ -8,13 +8,14 @@ OUT_DIR/NAME.reference.pt with the final global parameters keyed by global name 
 OUT_DIR/NAME.init.pt with the initial ones).
 """
 
+import dataclasses
 import json
 import sys
 
 import torch
 import torch.distributed as dist
 
-from megatron_dilocox.arguments import compression_config, dilocox_config, padded_vocab_size, parse_args, validate_world
+from megatron_dilocox.arguments import padded_vocab_size, parse_args, validate_world
 from megatron_dilocox.data.tokenizer import build_tokenizer
 from megatron_dilocox.megatron_state import main_params
 from megatron_dilocox.outer.compression import CompressedReducer
@@ -33,42 +34,44 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 def replica(args, topo, tokenizer, train, valid, shard, clusters):
     config = transformer_config(args)
-    chunks = build_gpt_chunks(args, config, padded_vocab_size(tokenizer.vocab_size, args))
-    initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
+    chunks = build_gpt_chunks(args.model, config, padded_vocab_size(tokenizer.vocab_size, args.model))
+    initialize_parameters(chunks, config, args.training.seed, tied=not args.model.untie_embeddings_and_output_weights)
     model = wrap_ddp(chunks, config, topo, use_distributed_optimizer=False)
     optimizer, scheduler = build_optimizer(args, model, config, topo)
-    trainer = Trainer(args, topo, model, optimizer, scheduler, train, valid, MetricsLogger(args, False))
-    trainer.train_batches = MicroBatches(train, args.global_batch_size, args.micro_batch_size, clusters, shard)
+    trainer = Trainer(args, topo, model, optimizer, scheduler, train, valid,
+                      MetricsLogger(args.logging, args.training.train_iters, False))
+    trainer.train_batches = MicroBatches(train, args.training.global_batch_size, args.training.micro_batch_size,
+                                         clusters, shard)
     return trainer
 
 
 def run(spec, out):
     args = parse_args(spec["flags"])
-    clusters, cfg, comp = args.clusters, dilocox_config(args), compression_config(args)
+    clusters, cfg, comp = args.clusters, args.outer, args.compression
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        setattr(args, name, 1)
+        setattr(args.parallel, name, 1)
     args.virtual_pipeline_model_parallel_size = None
-    args.dilocox, args.clusters = False, 1
+    args.dilocox, args.outer = False, dataclasses.replace(cfg, clusters=1)
     validate_world(args, 1)
     topo = build_topology(1, 1, None, 1)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    torch.manual_seed(args.training.seed)
+    model_parallel_cuda_manual_seed(args.training.seed)
+    tokenizer = build_tokenizer(args.data.tokenizer_type, args.data.tokenizer_model, args.data.vocab_size)
     train, valid = build_datasets(args, tokenizer)
     replicas = [replica(args, topo, tokenizer, train, valid, k, clusters) for k in range(clusters)]
-    tied = not args.untie_embeddings_and_output_weights
+    tied = not args.model.untie_embeddings_and_output_weights
     torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.init.pt")
     params = [main_params(r.optimizer) for r in replicas]
     compressors = None  # one per replica, as each cluster's rank holds one (TP1/PP1 runs only)
     if comp.codec != "none":
-        compressors = [CompressedReducer([p.shape for p in params[0]], comp, seed=args.seed) for _ in range(clusters)]
+        compressors = [CompressedReducer([p.shape for p in params[0]], comp, seed=args.training.seed) for _ in range(clusters)]
     flush = None
     if comp.flush_residual:
         sent = comp.flush_config()
         flush = quantized_arrival([p.numel() for p in params[0]], sent.bits, sent.block)
     ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov,
                           compressors, comp.keep_unsent, flush)
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(1, args.training.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)
         if iteration % cfg.local_steps == 0:

@@ -107,11 +107,11 @@ def run(spec, out):
             _inject_nan(trainer, spec["inject_nan"])
         _checked_rounds(trainer, info)
         if spec.get("measure_norms"):
-            _measured_norms(trainer, info, tied=not args.untie_embeddings_and_output_weights)
+            _measured_norms(trainer, info, tied=not args.model.untie_embeddings_and_output_weights)
     trainer.train()
     info["final_val_loss"] = trainer.final_val_loss
     info["start_iteration"] = trainer.start_iteration
-    full = gather_full_params(trainer.model, tied=not args.untie_embeddings_and_output_weights)
+    full = gather_full_params(trainer.model, tied=not args.model.untie_embeddings_and_output_weights)
     if parallel_state.get_tensor_model_parallel_rank() == 0 and trainer.topo.inner_dp_rank == 0:
         torch.save(full, f"{out}/{name}.params.{rank}.pt")
     with open(f"{out}/{name}.info.{rank}.json", "w") as f:

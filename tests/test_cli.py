@@ -66,7 +66,7 @@ def test_every_flag_has_help():
 def test_every_dilocox_flag_reaches_its_config_field():
     """Flags generated from the config dataclasses: each given value lands in its own field."""
     sys.path.insert(0, str(REPO))
-    from megatron_dilocox.arguments import compression_config, dilocox_config, parse_args
+    from megatron_dilocox.arguments import parse_args
     from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
@@ -81,16 +81,16 @@ def test_every_dilocox_flag_reaches_its_config_field():
         "--dilocox-rank", "5", "--dilocox-min-rank", "2", "--dilocox-rank-energy", "0.8", "--dilocox-adaptive",
         "--dilocox-error-feedback", "--dilocox-ef-decay", "0.5", "--dilocox-topk-density", "0.25",
         "--dilocox-topk-chunk", "128", "--dilocox-keep-unsent", "--dilocox-flush-residual"])
-    assert dilocox_config(args) == DiLoCoXConfig(
+    assert args.outer == DiLoCoXConfig(
         clusters=3, local_steps=7, min_local_steps=2, max_local_steps=9, sync_mode="eager", overlap_steps=4,
         outer_lr=0.5, outer_momentum=0.3, nesterov=False, offload_outer_state=True, outer_timeout_s=12.0,
         emulated_delay_s=0.25)
-    assert compression_config(args) == CompressionConfig(
+    assert args.compression == CompressionConfig(
         codec="lowrank-quantize", bits=4, block=64, rank=5, min_rank=2, rank_energy=0.8, adaptive=True,
         error_feedback=True, ef_decay=0.5, topk_density=0.25, topk_chunk=128, keep_unsent=True, flush_residual=True)
     plain = parse_args(base + ["--dilocox"])
-    assert dilocox_config(plain) == DiLoCoXConfig() and compression_config(plain) == CompressionConfig()
-    assert compression_config(parse_args(base + ["--dilocox", "--no-dilocox-error-feedback"])).error_feedback is False
+    assert plain.outer == DiLoCoXConfig() and plain.compression == CompressionConfig()
+    assert parse_args(base + ["--dilocox", "--no-dilocox-error-feedback"]).compression.error_feedback is False
     assert parse_args(base).clusters == 1  # without --dilocox one cluster, unless --dilocox-clusters says
 
 

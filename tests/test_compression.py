@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_dilocox.arguments import compression_config, parse_args
+from megatron_dilocox.arguments import parse_args
 from megatron_dilocox.errors import ConfigError
 from megatron_dilocox import payload
 from megatron_dilocox.config import CompressionConfig
@@ -569,12 +569,12 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def test_topk_flags_defaults_and_one_line_errors():
-    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk"]))
+    comp = parse_args(FLAGS + ["--dilocox-compression", "topk"]).compression
     assert (comp.bits, comp.error_feedback, comp.topk_density, comp.topk_chunk) == (2, True, 1 / 32, 4096)
-    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "topk", "--no-dilocox-error-feedback",
-                                                  "--dilocox-quant-bits", "4"]))
+    comp = parse_args(FLAGS + ["--dilocox-compression", "topk", "--no-dilocox-error-feedback",
+                               "--dilocox-quant-bits", "4"]).compression
     assert (comp.bits, comp.error_feedback) == (4, False)
-    comp = compression_config(parse_args(FLAGS + ["--dilocox-compression", "quantize"]))
+    comp = parse_args(FLAGS + ["--dilocox-compression", "quantize"]).compression
     assert (comp.bits, comp.error_feedback) == (8, False)
     for extra, needle in [(["--dilocox-compression", "topk", "--dilocox-quant-bits", "8"], "--dilocox-quant-bits"),
                           (["--dilocox-compression", "quantize", "--dilocox-quant-bits", "2"],

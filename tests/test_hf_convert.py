@@ -94,8 +94,8 @@ def _megatron_scenarios():
 
     def ours(args, vocab, params=None):
         config = transformer_config(args)
-        tied = not args.untie_embeddings_and_output_weights
-        (chunk,) = build_gpt_chunks(args, config, padded_vocab_size(vocab, args))
+        tied = not args.model.untie_embeddings_and_output_weights
+        (chunk,) = build_gpt_chunks(args.model, config, padded_vocab_size(vocab, args.model))
         if params is None:
             initialize_parameters([chunk], config, seed=7, tied=tied)
             _perturb_1d(chunk, torch.Generator().manual_seed(8))
@@ -121,10 +121,10 @@ def _megatron_scenarios():
     for case in CASES:
         r = results[case] = {}
         args = flags_for(case)
-        family = hf_family(args)
+        family = hf_family(args.model)
         chunk = ours(args, VOCAB)
-        params = gather_full_params([chunk], tied=not args.untie_embeddings_and_output_weights)
-        config, sd = to_hf(params, args, transformer_config(args), VOCAB)
+        params = gather_full_params([chunk], tied=not args.model.untie_embeddings_and_output_weights)
+        config, sd = to_hf(params, args.model, transformer_config(args), VOCAB)
         hf = hf_model(family, config, sd)
         r["vocab"] = config.vocab_size
         r["export_diff"] = max_diff(chunk, hf)
@@ -134,8 +134,9 @@ def _megatron_scenarios():
             back, flags = from_hf(sd if source == "state_dict" else hf, config)
             r[f"round_trip_{source}"] = (back.keys() == params.keys()
                                          and all(torch.equal(back[k], params[k]) for k in params))
-        args.num_query_groups = args.num_query_groups or args.num_attention_heads  # None: one per head
-        r["flags_mismatch"] = {k: (getattr(args, k), flags[k]) for k in MODEL_FLAGS if getattr(args, k) != flags[k]}
+        model = args.model
+        model.num_query_groups = model.query_groups  # None: one per head
+        r["flags_mismatch"] = {k: (getattr(model, k), flags[k]) for k in MODEL_FLAGS if getattr(model, k) != flags[k]}
 
         # Import: a HF model of its own init (HF's, plus perturbed norms/biases) becomes ours.
         torch.manual_seed(10)
@@ -146,8 +147,8 @@ def _megatron_scenarios():
             del hf_weights["lm_head.weight"]  # as save_pretrained stores a tied model
         imported, flags = from_hf(hf_weights, theirs.config)
         args_in = parse_args(as_argv(flags) + TRAIN)
-        r["import_padded_vocab"] = padded_vocab_size(args_in.vocab_size, args_in)
-        r["import_diff"] = max_diff(ours(args_in, args_in.vocab_size, imported), theirs)
+        r["import_padded_vocab"] = padded_vocab_size(args_in.data.vocab_size, args_in.model)
+        r["import_diff"] = max_diff(ours(args_in, args_in.data.vocab_size, imported), theirs)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return results
@@ -210,18 +211,18 @@ def test_imported_model_gives_hf_logits(measured, case):
 
 
 def test_family_from_flags():
-    assert hf_family(flags_for("llama")) == "llama"
-    assert hf_family(flags_for("gpt2")) == "gpt2"
+    assert hf_family(flags_for("llama").model) == "llama"
+    assert hf_family(flags_for("gpt2").model) == "gpt2"
     with pytest.raises(ConfigError, match="--position-embedding-type rope --normalization LayerNorm"):
-        hf_family(flags_for("gpt2", "--position-embedding-type", "rope"))
+        hf_family(flags_for("gpt2", "--position-embedding-type", "rope").model)
     with pytest.raises(ConfigError, match=r"--normalization RMSNorm \(no --swiglu\) fits no"):
-        hf_family(flags_for("gpt2", "--position-embedding-type", "rope", "--normalization", "RMSNorm"))
+        hf_family(flags_for("gpt2", "--position-embedding-type", "rope", "--normalization", "RMSNorm").model)
 
 
 def _to_hf(params, args, vocab):
     from megatron_dilocox.training.model import transformer_config
 
-    return to_hf(params, args, transformer_config(args), vocab)
+    return to_hf(params, args.model, transformer_config(args), vocab)
 
 
 def test_gpt2_refuses_what_it_cannot_hold():

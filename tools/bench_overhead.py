@@ -37,8 +37,8 @@ def bare_step(trainer, batches):
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
         num_microbatches=len(batches),
-        seq_length=trainer.args.seq_length,
-        micro_batch_size=trainer.args.micro_batch_size,
+        seq_length=trainer.seq_length,
+        micro_batch_size=trainer.train_batches.micro_batch_size,
         forward_only=False,
     )
     trainer.optimizer.step()

@@ -202,13 +202,13 @@ class Study:
             import dataclasses
 
             from megatron_dilocox import flags
-            from megatron_dilocox.arguments import compression_config, parse_args
+            from megatron_dilocox.arguments import parse_args
             from megatron_dilocox.config import CompressionConfig
 
-            args = parse_args(self.flags(method, seed))
-            resolved = vars(args)
-            if args.dilocox:  # the codec's defaults as the run resolves them (None: "the codec's default")
-                comp = compression_config(args)
+            run = parse_args(self.flags(method, seed))
+            resolved = run.flat()
+            if run.dilocox:  # the codec's defaults as the run resolves them (None: "the codec's default")
+                comp = run.compression
                 resolved.update({flags.dest(f, "dilocox"): getattr(comp, f.name)
                                  for f in dataclasses.fields(CompressionConfig)})
                 if comp.codec != "topk":  # its settings do not apply (so their defaults may move)

@@ -24,6 +24,7 @@ the adapter below both (:mod:`megatron_dilocox.megatron_state`). The entry point
 """
 
 import atexit
+import dataclasses
 import io
 import json
 import random
@@ -40,6 +41,7 @@ from megatron_dilocox.checkpoint import files
 from megatron_dilocox.errors import CheckpointError
 from megatron_dilocox.megatron_state import model_sharded_state_dict, unwrap
 from megatron_dilocox.platform.backend import on_cuda
+from megatron_dilocox.run_config import RunConfig
 
 # The flags that define the weights' shapes and meaning: a checkpoint loads only where they agree.
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -47,25 +49,26 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "untie_embeddings_and_output_weights", "disable_bias_linear", "padded_vocab_size")
 
 
-def model_signature(args) -> dict:
-    signature = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
-    signature["num_query_groups"] = args.num_query_groups or args.num_attention_heads
-    return signature
+def model_signature(run: RunConfig) -> dict:
+    values = {**dataclasses.asdict(run.model), "num_query_groups": run.model.query_groups,
+              "padded_vocab_size": run.padded_vocab_size}
+    return {flag: values[flag] for flag in MODEL_FLAGS}
 
 
-def layout(args, topo) -> dict:
+def layout(run: RunConfig, topo) -> dict:
     """What must be unchanged for an exact resume from the per-rank files."""
-    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+    parallel = run.parallel
+    return {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": run.virtual_pipeline_model_parallel_size,
             "world_size": dist.get_world_size(),
-            "dilocox_clusters": topo.clusters if args.dilocox else 0,
-            "use_distributed_optimizer": args.use_distributed_optimizer,
-            "bf16": args.bf16}
+            "dilocox_clusters": topo.clusters if run.dilocox else 0,
+            "use_distributed_optimizer": parallel.use_distributed_optimizer,
+            "bf16": run.training.bf16}
 
 
-def coordinates(args, topo) -> dict:
-    return {"cluster": topo.cluster_rank if args.dilocox else 0,
+def coordinates(run: RunConfig, topo) -> dict:
+    return {"cluster": topo.cluster_rank if run.dilocox else 0,
             "tp": parallel_state.get_tensor_model_parallel_rank(),
             "pp": parallel_state.get_pipeline_model_parallel_rank(),
             "dp": topo.inner_dp_rank}
@@ -132,27 +135,28 @@ def lock_save_dir(root) -> None:
     _all_ranks_ok(error)
 
 
-def _described(args) -> dict:
+def _described(run: RunConfig) -> dict:
     """Manifest fields every checkpoint has: the model's flags, all flags, the time."""
-    return {"model": model_signature(args), "args": json.loads(json.dumps(vars(args), default=str)),
+    return {"model": model_signature(run), "args": json.loads(json.dumps(run.flat(), default=str)),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _metadata(args, topo, iteration: int, state: dict) -> dict:
+def _metadata(run: RunConfig, topo, iteration: int, state: dict) -> dict:
     dilocox = None
     if state["dilocox"] is not None:
         outer = state["dilocox"]
-        dilocox = {"outer_step": outer["sync"]["outer_step"], "sync_mode": args.dilocox_sync_mode,
-                   "compression": args.dilocox_compression, "local_steps": outer["local_steps"],
+        dilocox = {"outer_step": outer["sync"]["outer_step"], "sync_mode": run.outer.sync_mode,
+                   "compression": run.compression.codec, "local_steps": outer["local_steps"],
                    "next_boundary": outer["next_boundary"]}
+    batch = run.training.global_batch_size
     return {"kind": "training", "iteration": iteration, "eval_round": state["eval_round"],
-            "consumed_samples": iteration * args.global_batch_size,
-            "global_batch_size": args.global_batch_size, "scheduler": state["scheduler"],
-            "layout": layout(args, topo), "dilocox": dilocox, **_described(args)}
+            "consumed_samples": iteration * batch,
+            "global_batch_size": batch, "scheduler": state["scheduler"],
+            "layout": layout(run, topo), "dilocox": dilocox, **_described(run)}
 
 
-def _rank_state(args, topo, iteration: int, state: dict) -> dict:
-    return {"iteration": iteration, "coordinates": coordinates(args, topo), "rng": _rng_state(),
+def _rank_state(run: RunConfig, topo, iteration: int, state: dict) -> dict:
+    return {"iteration": iteration, "coordinates": coordinates(run, topo), "rng": _rng_state(),
             **{key: state[key] for key in RANK_STATE}}
 
 
@@ -187,7 +191,7 @@ def _write_collectively(root, iteration: int, metadata: dict, write, keep: int =
     return files.iteration_dir(root, iteration)
 
 
-def save(args, topo, iteration: int, state: dict, weights) -> Path:
+def save(run: RunConfig, topo, iteration: int, state: dict, weights) -> Path:
     """Writes the training checkpoint of ``iteration`` to ``--save`` (collective: every rank
     calls it).
 
@@ -197,22 +201,22 @@ def save(args, topo, iteration: int, state: dict, weights) -> Path:
     parameters).
     """
     def write(folder):
-        rank_state = _rank_state(args, topo, iteration, state)
+        rank_state = _rank_state(run, topo, iteration, state)
         buffer = io.BytesIO()
         torch.save(rank_state, buffer)
         files.write_atomic(folder / files.rank_file(rank_state["coordinates"]), buffer.getbuffer())
         with weights() as sharded_state_dict:
             dist_checkpointing.save(sharded_state_dict, str(folder / "model"))
 
-    return _write_collectively(args.save, iteration, _metadata(args, topo, iteration, state), write,
-                               args.most_recent_k)
+    return _write_collectively(run.checkpoint.save, iteration, _metadata(run, topo, iteration, state), write,
+                               run.checkpoint.most_recent_k)
 
 
-def save_weights(model, args, root, source: str) -> Path:
+def save_weights(model, run: RunConfig, root, source: str) -> Path:
     """A weights-only checkpoint at iteration 0 (e.g. converted from another format); it loads
     into any layout like a resharded training checkpoint."""
     metadata = {"kind": "weights", "source": source, "iteration": 0, "eval_round": 0,
-                "layout": None, "dilocox": None, **_described(args)}
+                "layout": None, "dilocox": None, **_described(run)}
     lock_save_dir(root)
     return _write_collectively(root, 0, metadata, lambda folder: dist_checkpointing.save(
         model_sharded_state_dict(model), str(folder / "model")))
@@ -228,16 +232,17 @@ def load_weights(model, folder) -> None:
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
 
 
-def _check_compatible(manifest: dict, path, args) -> None:
-    saved, wanted = manifest["model"], model_signature(args)
+def _check_compatible(manifest: dict, path, run: RunConfig) -> None:
+    saved, wanted = manifest["model"], model_signature(run)
     for flag in MODEL_FLAGS:
         if saved.get(flag) != wanted[flag]:
             name = "padded vocabulary size" if flag == "padded_vocab_size" else "--" + flag.replace("_", "-")
             raise CheckpointError(f"{path}: model mismatch: {name} is {saved.get(flag)} in the checkpoint, "
                                   f"{wanted[flag]} in this run")
-    if manifest["iteration"] > 0 and manifest["global_batch_size"] != args.global_batch_size:
+    batch = run.training.global_batch_size
+    if manifest["iteration"] > 0 and manifest["global_batch_size"] != batch:
         raise CheckpointError(f"{path}: --global-batch-size is {manifest['global_batch_size']} in the checkpoint, "
-                              f"{args.global_batch_size} in this run (the data position counts global batches)")
+                              f"{batch} in this run (the data position counts global batches)")
 
 
 class Resume:
@@ -248,38 +253,38 @@ class Resume:
     """
 
     @classmethod
-    def find(cls, args, topo) -> "Resume | None":
+    def find(cls, run: RunConfig, topo) -> "Resume | None":
         """The checkpoint in ``--load`` to resume from; None, with one warning, when that directory
         holds none yet (as in Megatron-LM, so a first launch with ``--save X --load X`` starts from
         scratch)."""
-        if files.has_checkpoint(args.load):
-            return cls(args, topo)
-        _warn(f"--load {args.load}: no checkpoint there yet (no {files.TRACKER}); starting from scratch")
+        if files.has_checkpoint(run.checkpoint.load):
+            return cls(run, topo)
+        _warn(f"--load {run.checkpoint.load}: no checkpoint there yet (no {files.TRACKER}); starting from scratch")
         return None
 
-    def __init__(self, args, topo):
+    def __init__(self, run: RunConfig, topo):
         rank, world = dist.get_rank(), dist.get_world_size()
         error = None
         try:
-            self.folder = files.latest(args.load)
+            self.folder = files.latest(run.checkpoint.load)
             self.manifest = files.read_manifest(self.folder)
             names = sorted(self.manifest["files"])
             if rank == 0:
                 files.check_listed(self.folder, self.manifest)
             files.verify(self.folder, self.manifest, names[rank::world])
-            _check_compatible(self.manifest, self.folder / files.MANIFEST, args)
+            _check_compatible(self.manifest, self.folder / files.MANIFEST, run)
         except CheckpointError as err:
             error = str(err)
         _all_ranks_ok(error)
         self.iteration = int(self.manifest["iteration"])
-        self.rank_file = files.rank_file(coordinates(args, topo))
-        exact = self.manifest.get("layout") == layout(args, topo) and self.rank_file in self.manifest["files"]
+        self.rank_file = files.rank_file(coordinates(run, topo))
+        exact = self.manifest.get("layout") == layout(run, topo) and self.rank_file in self.manifest["files"]
         everyone = [None] * world
         dist.all_gather_object(everyone, exact)
         if len(set(everyone)) != 1:
             raise CheckpointError(f"{self.folder}: per-rank files exist for some ranks of this layout only")
         self.exact = exact
-        self.dilocox = args.dilocox
+        self.dilocox = run.dilocox
 
     def describe(self) -> str:
         saved = self.manifest.get("layout")

@@ -46,6 +46,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from megatron_dilocox.arguments import padded_vocab_size
 from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.run_config import ModelConfig
 
 _FAMILY_FLAGS = {  # (--position-embedding-type, --normalization, --swiglu)
     "llama": ("rope", "RMSNorm", True),
@@ -57,9 +58,9 @@ def _describe(position, norm, swiglu):
     return f"--position-embedding-type {position} --normalization {norm} {'--swiglu' if swiglu else '(no --swiglu)'}"
 
 
-def hf_family(args) -> str:
+def hf_family(model: ModelConfig) -> str:
     """``"llama"`` (RoPE + RMSNorm + SwiGLU) or ``"gpt2"`` (learned positions + LayerNorm + GELU)."""
-    ours = (args.position_embedding_type, args.normalization, args.swiglu)
+    ours = (model.position_embedding_type, model.normalization, model.swiglu)
     for family, flags in _FAMILY_FLAGS.items():
         if ours == flags:
             return family
@@ -185,53 +186,52 @@ def _check_shapes(model_cls, config, state_dict, what):
                               f"{tuple(expected[name].shape)}")
 
 
-def to_hf(full_params: dict[str, torch.Tensor], args, model_config: TransformerConfig, vocab_size: int):
+def to_hf(full_params: dict[str, torch.Tensor], model: ModelConfig, model_config: TransformerConfig, vocab_size: int):
     """Our full (TP1) parameters -> ``(transformers config, HF state dict)``.
 
     ``full_params``: every parameter by global name (:func:`gather_full_params` at TP1/PP1, or
-    all pipeline stages merged); ``args``: the run's parsed flags; ``model_config``: the
+    all pipeline stages merged); ``model``: the run's model section; ``model_config``: the
     model's megatron config (it states the norm epsilon); ``vocab_size``: the tokenizer's,
     before padding (the HF model gets the padded size, as our embedding has).
     The state dict loads with ``strict=True`` into ``LlamaForCausalLM`` / ``GPT2LMHeadModel``
     built from the config; when tied, ``lm_head.weight`` is the embedding tensor itself (as in
     HF's own state dict; ``save_pretrained`` stores it once). Token ids (bos/eos/pad) are left unset: they belong to the tokenizer.
     """
-    family = hf_family(args)
-    heads = args.num_attention_heads
-    groups = args.num_query_groups or heads
-    bias = not args.disable_bias_linear
+    family = hf_family(model)
+    heads, groups = model.num_attention_heads, model.query_groups
+    bias = not model.disable_bias_linear
     if family == "gpt2" and groups != heads:
         raise ConfigError(f"GPT-2 has no grouped-query attention: --num-query-groups {groups} must equal "
                           f"--num-attention-heads {heads}")
     if family == "gpt2" and not bias:
         raise ConfigError("GPT-2 always has linear biases: a model trained with --disable-bias-linear does not convert")
-    arch = _Arch(family, args.num_layers, heads, groups, args.hidden_size // heads, bias,
-                 tied=not args.untie_embeddings_and_output_weights)
+    arch = _Arch(family, model.num_layers, heads, groups, model.hidden_size // heads, bias,
+                 tied=not model.untie_embeddings_and_output_weights)
     eps = model_config.layernorm_epsilon
-    padded = padded_vocab_size(vocab_size, args)
+    padded = padded_vocab_size(vocab_size, model)
     if family == "llama":
         model_cls = LlamaForCausalLM
         config = LlamaConfig(
-            vocab_size=padded, hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
-            num_hidden_layers=args.num_layers, num_attention_heads=heads, num_key_value_heads=groups,
-            head_dim=arch.head_dim, hidden_act="silu", max_position_embeddings=args.max_position_embeddings,
-            rms_norm_eps=eps, rope_parameters={"rope_type": "default", "rope_theta": float(args.rotary_base)},
-            attention_bias=bias, mlp_bias=bias, attention_dropout=args.attention_dropout,
-            tie_word_embeddings=arch.tied, initializer_range=args.init_method_std,
+            vocab_size=padded, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+            num_hidden_layers=model.num_layers, num_attention_heads=heads, num_key_value_heads=groups,
+            head_dim=arch.head_dim, hidden_act="silu", max_position_embeddings=model.max_position_embeddings,
+            rms_norm_eps=eps, rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
+            attention_bias=bias, mlp_bias=bias, attention_dropout=model.attention_dropout,
+            tie_word_embeddings=arch.tied, initializer_range=model.init_method_std,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
     else:
         model_cls = GPT2LMHeadModel
         config = GPT2Config(
-            vocab_size=padded, n_positions=args.max_position_embeddings, n_embd=args.hidden_size,
-            n_layer=args.num_layers, n_head=heads, n_inner=args.ffn_hidden_size, activation_function="gelu",
-            layer_norm_epsilon=eps, resid_pdrop=args.hidden_dropout, embd_pdrop=args.hidden_dropout,
-            attn_pdrop=args.attention_dropout, tie_word_embeddings=arch.tied,
-            initializer_range=args.init_method_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+            vocab_size=padded, n_positions=model.max_position_embeddings, n_embd=model.hidden_size,
+            n_layer=model.num_layers, n_head=heads, n_inner=model.ffn_hidden_size, activation_function="gelu",
+            layer_norm_epsilon=eps, resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout,
+            attn_pdrop=model.attention_dropout, tie_word_embeddings=arch.tied,
+            initializer_range=model.init_method_std, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     state_dict = _apply(_rules(arch), full_params, 0, "our parameters")
     rows = full_params["embedding.word_embeddings.weight"].shape[0]
     if rows != padded:
         raise ConfigError(f"the embedding has {rows} rows, but vocab size {vocab_size} pads to {padded} "
-                          f"with --make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}")
+                          f"with --make-vocab-size-divisible-by {model.make_vocab_size_divisible_by}")
     if arch.tied:
         prefix = "model.embed_tokens" if family == "llama" else "transformer.wte"
         state_dict["lm_head.weight"] = state_dict[f"{prefix}.weight"]
@@ -298,7 +298,7 @@ def from_hf(hf_model_or_state_dict, hf_config):
     """A HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` (or its ``state_dict()``) -> ``(our full
     parameters by global name, flags)``; the exact inverse of :func:`to_hf`.
 
-    ``flags`` maps ``pretrain_gpt.py`` argument names (``args`` attributes) to the values that
+    ``flags`` maps ``pretrain_gpt.py`` flags (by attribute name) to the values that
     build this model: pass them through :func:`as_argv`. ``vocab_size`` is the HF vocabulary and
     ``make_vocab_size_divisible_by`` keeps it unpadded.
     """

@@ -19,8 +19,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import _IndexReader
 
-from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.data.tokenizer import IDENTITY_SUFFIX
+from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.run_config import RunConfig
 
 
 def _blend(data_path):
@@ -91,10 +92,10 @@ def split_tokens(index, bounds) -> tuple[int, int]:
     return end - begin, int(numpy.asarray(index.sequence_lengths[first:last], dtype=numpy.int64).sum())
 
 
-def _check_splits(prefixes, split_matrix, args):
+def _check_splits(prefixes, split_matrix, split: str, seq_length: int):
     """Every split that samples are drawn from gets at least one sample's tokens of every dataset:
     megatron never finishes indexing an empty split, and a smaller one repeats within a sample."""
-    need = args.seq_length + 1
+    need = seq_length + 1
     for prefix in prefixes:
         index = _IndexReader(prefix + ".idx", multimodal=False)
         for name, bounds in zip(("train", "validation", "test"), split_matrix):
@@ -102,55 +103,58 @@ def _check_splits(prefixes, split_matrix, args):
                 continue
             documents, tokens = split_tokens(index, bounds)
             if tokens < need:
-                raise ConfigError(f"--split {args.split}: the {name} split of {prefix} gets {documents} of its "
+                raise ConfigError(f"--split {split}: the {name} split of {prefix} gets {documents} of its "
                                   f"{len(index.document_indices) - 1} documents ({tokens} tokens), fewer than one "
                                   f"sample (--seq-length + 1 = {need} tokens): give it a larger share")
 
 
-def build_datasets(args, tokenizer):
-    """(train, valid) GPTDatasets sized for the whole run."""
+def build_datasets(run: RunConfig, tokenizer):
+    """(train, valid) GPTDatasets sized for the whole run: the data section's datasets, as many
+    samples as training and evaluation draw."""
+    data, training, logging = run.data, run.training, run.logging
+    batch = training.global_batch_size
     blend = None
-    if not args.mock_data:
-        blend = _blend(args.data_path)
+    if not data.mock_data:
+        blend = _blend(data.data_path)
         unrecorded = _check_files(blend[0], tokenizer)
         if unrecorded and dist.get_rank() == 0:
             print(f"WARNING: --data-path: no {IDENTITY_SUFFIX} tokenizer record for {', '.join(unrecorded)} "
                   "(made by an older tools/preprocess_data.py?): the tokenizer is only checked against the "
                   "token ids", file=sys.stderr, flush=True)
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    evals = (training.train_iters // logging.eval_interval + 1) * logging.eval_iters
     # None: one epoch of the validation split, for --full-validation.
-    valid_size = None if args.full_validation else evals * args.global_batch_size
-    sizes = [args.train_iters * args.global_batch_size, valid_size, 0]
+    valid_size = None if logging.full_validation else evals * batch
+    sizes = [training.train_iters * batch, valid_size, 0]
     config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=training.seed,
+        sequence_length=run.model.seq_length,
         blend=blend,
-        split=args.split,
+        split=data.split,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=args.data_cache_path,
+        path_to_cache=data.data_cache_path,
         mid_level_dataset_surplus=0.005,
-        full_validation=args.full_validation,
+        full_validation=logging.full_validation,
     )
     # Leave out the splits no sample is drawn from (the test split; validation without --eval-iters):
     # megatron would index them anyway, forever if one is empty.
     config.split_matrix = [None if size == 0 else bounds for bounds, size in zip(config.split_matrix, sizes)]
     if blend is not None:
-        _check_splits(blend[0], config.split_matrix, args)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+        _check_splits(blend[0], config.split_matrix, data.split, run.model.seq_length)
+    cls = MockGPTDataset if data.mock_data else GPTDataset
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
     except (AssertionError, ValueError, OSError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"--data-path {' '.join(args.data_path or [])}: unreadable dataset: {first_line}") from err
+        raise ConfigError(f"--data-path {' '.join(data.data_path or [])}: unreadable dataset: {first_line}") from err
     if train is None or (valid is None and valid_size != 0):
-        raise ConfigError(f"--split {args.split}: the train and validation splits must both be non-empty")
-    if args.full_validation and len(valid) < args.global_batch_size:
+        raise ConfigError(f"--split {data.split}: the train and validation splits must both be non-empty")
+    if logging.full_validation and len(valid) < batch:
         raise ConfigError(f"--full-validation: the validation split has {len(valid)} samples, fewer than one "
-                          f"--global-batch-size {args.global_batch_size}; give it more with --split")
+                          f"--global-batch-size {batch}; give it more with --split")
     return train, valid
 
 

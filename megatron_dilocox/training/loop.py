@@ -22,6 +22,7 @@ from megatron_dilocox import interrupt
 from megatron_dilocox.errors import ClusterLossError
 from megatron_dilocox.megatron_state import leaf_optimizers, main_params, model_sharded_state_dict, push_to_model
 from megatron_dilocox.platform.backend import device
+from megatron_dilocox.run_config import RunConfig
 from megatron_dilocox.training.data import MicroBatches
 
 
@@ -49,9 +50,11 @@ class Trainer:
     to keep (the global ones under DiLoCoX).
     """
 
-    def __init__(self, args, topo, model, optimizer, scheduler, train_data, valid_data, logger,
+    def __init__(self, run: RunConfig, topo, model, optimizer, scheduler, train_data, valid_data, logger,
                  dilocox=None, audit=None, save_checkpoint=None):
-        self.args = args
+        """Reads the run's training, evaluation and logging, and checkpointing sections."""
+        self.training, self.logging, self.checkpoint = run.training, run.logging, run.checkpoint
+        self.seq_length = run.model.seq_length
         self.topo = topo
         self.model = model
         self.optimizer = optimizer
@@ -60,11 +63,10 @@ class Trainer:
         self.dilocox = dilocox
         self.audit = audit
         self.save_checkpoint = save_checkpoint
-        self.train_batches = MicroBatches(train_data, args.global_batch_size, args.micro_batch_size,
-                                          topo.data_parallel_size, topo.data_parallel_rank)
+        batch, micro = run.training.global_batch_size, run.training.micro_batch_size
+        self.train_batches = MicroBatches(train_data, batch, micro, topo.data_parallel_size, topo.data_parallel_rank)
         # Each cluster evaluates the whole validation batch on its own replicas.
-        self.valid_batches = MicroBatches(valid_data, args.global_batch_size, args.micro_batch_size,
-                                          topo.inner_dp_size, topo.inner_dp_rank)
+        self.valid_batches = MicroBatches(valid_data, batch, micro, topo.inner_dp_size, topo.inner_dp_rank)
         self.is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.schedule = get_forward_backward_func()
         self.eval_round = 0
@@ -80,8 +82,8 @@ class Trainer:
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=batches.num_microbatches,
-            seq_length=self.args.seq_length,
-            micro_batch_size=self.args.micro_batch_size,
+            seq_length=self.seq_length,
+            micro_batch_size=batches.micro_batch_size,
             forward_only=forward_only,
         )
         if not self.is_last_stage:
@@ -120,11 +122,11 @@ class Trainer:
         start = time.perf_counter()
         for chunk in self.model:
             chunk.eval()
-        if self.args.full_validation:  # the same batches every time: the whole split, once
+        if self.logging.full_validation:  # the same batches every time: the whole split, once
             self.eval_round = 0
-            batches = len(self.valid_batches.dataset) // self.args.global_batch_size
+            batches = len(self.valid_batches.dataset) // self.valid_batches.global_batch_size
         else:
-            batches = self.args.eval_iters
+            batches = self.logging.eval_iters
         per_batch = torch.zeros(batches, 2, dtype=torch.float64)
         for b in range(batches):
             per_batch[b] = self._run_schedule(self.valid_batches, self.eval_round, forward_only=True)
@@ -211,14 +213,14 @@ class Trainer:
         try:
             return outer_call(*call_args)
         except ClusterLossError as err:
-            if self.args.save:
+            if self.checkpoint.save:
                 self.logger.print(f"> {err}: saving a checkpoint before stopping")
                 self.save(iteration)
             raise
 
     def train(self) -> None:
-        args = self.args
-        tokens_per_step = args.global_batch_size * args.seq_length
+        training, logging, checkpoint = self.training, self.logging, self.checkpoint
+        tokens_per_step = training.global_batch_size * self.seq_length
         window_loss = self.window_loss
         start = window_start = time.perf_counter()
         # Validation and checkpoint saves pause the training clock (as Megatron's interval timer):
@@ -226,7 +228,7 @@ class Trainer:
         paused = 0.0
         saved = None
         iteration = self.start_iteration
-        while iteration < args.train_iters:
+        while iteration < training.train_iters:
             iteration += 1
             interrupt.check()  # Ctrl-C stops here, between iterations
             self._phase("step")
@@ -246,12 +248,12 @@ class Trainer:
                 iteration = joined
                 # and the validation batches: where a cluster that never stopped has got to, the
                 # evaluations before this iteration's (which comes below) done
-                self.eval_round = ((joined - 1) // args.eval_interval) * args.eval_iters
+                self.eval_round = ((joined - 1) // logging.eval_interval) * logging.eval_iters
                 window_loss.zero_()
                 window_start = time.perf_counter()
-            if iteration % args.log_interval == 0 and joined is None:  # a join starts an empty window
+            if iteration % logging.log_interval == 0 and joined is None:  # a join starts an empty window
                 now = time.perf_counter()
-                per_iter = (now - window_start) / args.log_interval
+                per_iter = (now - window_start) / logging.log_interval
                 self.logger.train(
                     iteration=iteration,
                     lm_loss=self._mean_over_replicas(window_loss),
@@ -262,35 +264,36 @@ class Trainer:
                     elapsed_s=now - start,
                     train_s=now - start - paused,
                     ms_per_iter=per_iter * 1000.0,
-                    consumed_samples=iteration * args.global_batch_size,
-                    global_batch_size=args.global_batch_size,
+                    consumed_samples=iteration * training.global_batch_size,
+                    global_batch_size=training.global_batch_size,
                     cross_cluster_bytes=self.audit.cross_cluster_bytes() if self.audit else None,
                 )
                 window_loss.zero_()
                 window_start = time.perf_counter()
             off_clock = 0.0
-            if iteration % args.eval_interval == 0 and iteration != args.train_iters and args.eval_iters:
+            if iteration % logging.eval_interval == 0 and iteration != training.train_iters and logging.eval_iters:
                 self._evaluate_global(iteration)
                 off_clock += self.eval_s
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            if checkpoint.save and checkpoint.save_interval and iteration % checkpoint.save_interval == 0:
                 saved = iteration
                 off_clock += self.save(iteration)
             paused += off_clock
             window_start += off_clock
-            if args.exit_interval and iteration % args.exit_interval == 0 and iteration != args.train_iters:
+            exit_interval = checkpoint.exit_interval
+            if exit_interval and iteration % exit_interval == 0 and iteration != training.train_iters:
                 # Stop without draining: the in-flight round is in the checkpoint.
-                if args.save and saved != iteration:
+                if checkpoint.save and saved != iteration:
                     self.save(iteration)
                 if self.dilocox is not None:
                     self.dilocox.stop()
-                self.logger.print(f"> exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+                self.logger.print(f"> exiting after iteration {iteration} (--exit-interval {exit_interval})")
                 return
         if self.dilocox is not None:
             self._phase("boundary")
-            record = self._saving_on_loss(args.train_iters, self.dilocox.finish)
+            record = self._saving_on_loss(training.train_iters, self.dilocox.finish)
             if record is not None:
                 self.logger.outer_round(record)
-        if args.save and saved != args.train_iters and args.train_iters > self.start_iteration:
-            self.save(args.train_iters)
-        if args.eval_iters:
-            self.final_val_loss = self.evaluate(args.train_iters)
+        if checkpoint.save and saved != training.train_iters and training.train_iters > self.start_iteration:
+            self.save(training.train_iters)
+        if logging.eval_iters:
+            self.final_val_loss = self.evaluate(training.train_iters)

@@ -9,6 +9,7 @@ import os
 import time
 
 from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.run_config import LoggingConfig
 from megatron_dilocox.training.round_record import OuterRound
 
 
@@ -19,30 +20,31 @@ def _timestamp():
 class MetricsLogger:
     """Writes what the training loop reports, on the writing rank only."""
 
-    def __init__(self, args, is_writer: bool):
+    def __init__(self, logging: LoggingConfig, train_iters: int, is_writer: bool, settings: dict | None = None):
+        """``settings``: the run's flags, kept with a W&B run."""
         self.is_writer = is_writer
-        self.train_iters = args.train_iters
+        self.train_iters = train_iters
         self.metrics_file = None
         self.tensorboard = None
         self.wandb = None
         if not is_writer:
             return
-        if args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics_file = open(args.metrics_file, "a", buffering=1)
-        if args.tensorboard_dir:
+        if logging.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(logging.metrics_file)), exist_ok=True)
+            self.metrics_file = open(logging.metrics_file, "a", buffering=1)
+        if logging.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("--tensorboard-dir needs tensorboard: pip install tensorboard") from None
-            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
-        if args.wandb_project:
+            self.tensorboard = SummaryWriter(log_dir=logging.tensorboard_dir)
+        if logging.wandb_project:
             try:
                 import wandb
             except ImportError:
                 raise ConfigError("--wandb-project needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                    dir=args.wandb_save_dir, config=vars(args))
+            self.wandb = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name,
+                                    dir=logging.wandb_save_dir, config=settings)
 
     def print(self, message: str) -> None:
         if self.is_writer:

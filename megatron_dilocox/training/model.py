@@ -19,42 +19,47 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dilocox.megatron_state import unwrap
 from megatron_dilocox.platform.backend import on_cuda
+from megatron_dilocox.run_config import ModelConfig, RunConfig
 from megatron_dilocox.topology import Topology
 
 
-def transformer_config(args) -> TransformerConfig:
-    """megatron-core's TransformerConfig from Megatron-LM style flags."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+def transformer_config(run: RunConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig from a run's model, parallelism and training sections."""
+    model, parallel, training = run.model, run.parallel, run.training
+    vpp = run.virtual_pipeline_model_parallel_size
+    dtype = torch.bfloat16 if training.bf16 else torch.float32
+    full_recompute = training.recompute_granularity == "full"
+    overlap_p2p = parallel.overlap_p2p_comm and vpp is not None
     on_cpu = not on_cuda()
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        normalization=model.normalization,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=not model.disable_bias_linear,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=args.bf16,
+        bf16=training.bf16,
         # megatron initialises (and tags TP params with partition_dim); initialize_parameters then
         # overwrites the values layout-independently.
         perform_initialization=True,
         use_cpu_initialization=on_cpu,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
-        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        overlap_p2p_comm=args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None,
-        batch_p2p_comm=not (args.overlap_p2p_comm and args.virtual_pipeline_model_parallel_size is not None),
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method if full_recompute else None,
+        recompute_num_layers=training.recompute_num_layers if full_recompute else None,
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
         # Fused kernels need CUDA, and the softmax one apex's compiled extension.
         masked_softmax_fusion=not on_cpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_activation_fusion=False,
@@ -75,7 +80,7 @@ def _chunk_stages(vp_stage):
     )
 
 
-def layer_spec(args):
+def layer_spec(normalization: str):
     """Transformer Engine's layer spec with CUDA when it imports, megatron's local one otherwise."""
     if on_cuda():
         try:
@@ -83,14 +88,14 @@ def layer_spec(args):
         except ImportError:
             pass
         else:
-            return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
-    return get_gpt_layer_local_spec(normalization=args.normalization)
+            return get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
-def build_gpt_chunks(args, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
-    """The model chunks this rank holds (one per virtual pipeline stage)."""
-    spec = layer_spec(args)
-    vpp = args.virtual_pipeline_model_parallel_size
+def build_gpt_chunks(model: ModelConfig, config: TransformerConfig, vocab_size: int) -> list[GPTModel]:
+    """The model chunks this rank holds (one per virtual pipeline stage of ``config``)."""
+    spec = layer_spec(model.normalization)
+    vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         pre, post = _chunk_stages(vp_stage if vpp else None)
@@ -98,12 +103,12 @@ def build_gpt_chunks(args, config: TransformerConfig, vocab_size: int) -> list[G
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab_size,
-            max_sequence_length=args.max_position_embeddings,
+            max_sequence_length=model.max_position_embeddings,
             pre_process=pre,
             post_process=post,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_base=args.rotary_base,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type=model.position_embedding_type,
+            rotary_base=model.rotary_base,
             vp_stage=vp_stage if vpp else None,
         ))
     return chunks

@@ -18,14 +18,14 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_dilocox.arguments import (compression_config, dilocox_config, exchange_config, padded_vocab_size,
-                                        validate_world)
+from megatron_dilocox.arguments import padded_vocab_size, validate_world
 from megatron_dilocox.checkpoint import checkpointing
 from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir
 from megatron_dilocox.comm_audit import CommAudit
 from megatron_dilocox.data.tokenizer import build_tokenizer
 from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.platform import backend, cpu
+from megatron_dilocox.run_config import CheckpointConfig, LoggingConfig, RunConfig
 from megatron_dilocox.topology import build_topology, init_distributed
 from megatron_dilocox.training.data import build_datasets
 from megatron_dilocox.training.dilocox import DiLoCoX
@@ -34,32 +34,34 @@ from megatron_dilocox.training.metrics import MetricsLogger
 from megatron_dilocox.training.model import build_gpt_chunks, initialize_parameters, transformer_config, wrap_ddp
 
 
-def build_optimizer(args, model, config, topo):
-    """megatron-core AdamW (the inner optimizer) and its learning-rate schedule."""
+def build_optimizer(run: RunConfig, model, config, topo):
+    """megatron-core AdamW (the inner optimizer) and its learning-rate schedule, from the training
+    section (and whether the parallelism section shards the optimizer state)."""
+    training = run.training
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
+        lr=training.lr,
+        min_lr=training.min_lr,
+        weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1,
+        adam_beta2=training.adam_beta2,
+        adam_eps=training.adam_eps,
+        clip_grad=training.clip_grad,
+        bf16=training.bf16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
     ), model, use_gloo_process_groups=False, pg_collection=topo.pg_collection)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        init_lr=0.0 if training.lr_warmup_iters else training.lr,
+        max_lr=training.lr,
+        min_lr=training.min_lr,
+        lr_warmup_steps=training.lr_warmup_iters,
+        lr_decay_steps=training.lr_decay_iters,
+        lr_decay_style=training.lr_decay_style,
+        start_wd=training.weight_decay,
+        end_wd=training.weight_decay,
+        wd_incr_steps=training.train_iters,
         wd_incr_style="constant",
     )
     return optimizer, scheduler
@@ -89,53 +91,63 @@ def per_cluster(path: str | None, cluster: int, file: bool = False) -> str | Non
     return f"{stem}.cluster-{cluster}{suffix}"
 
 
-def setup(args):
+def _per_cluster_job(checkpoint: CheckpointConfig, logging: LoggingConfig, cluster: int):
+    """The folders and files of cluster ``cluster`` of a job per cluster (:func:`per_cluster`)."""
+    load = checkpoint.load
+    if load and os.path.isdir(per_cluster(load, cluster)):
+        load = per_cluster(load, cluster)
+    return (dataclasses.replace(checkpoint, save=per_cluster(checkpoint.save, cluster), load=load),
+            dataclasses.replace(logging, metrics_file=per_cluster(logging.metrics_file, cluster, file=True)))
+
+
+def setup(run: RunConfig):
     """Builds everything a :class:`Trainer` needs."""
     if not backend.on_cuda() and not cpu.installed():
         raise RuntimeError("megatron-core needs the CPU bridge here: call megatron_dilocox.platform.cpu.prepare() "
                            "before importing megatron-core")
     backend.use_local_device()
-    init_distributed(backend.process_group_backend(args.distributed_backend), args.distributed_timeout_minutes)
-    validate_world(args, dist.get_world_size())
-    outer, exchange = dilocox_config(args), exchange_config(args)
+    parallel = run.parallel
+    init_distributed(backend.process_group_backend(parallel.distributed_backend), parallel.distributed_timeout_minutes)
+    validate_world(run, dist.get_world_size())
+    outer, exchange = run.outer, run.exchange
     if outer.offload_outer_state and not backend.on_cuda():  # on the CPU the state is in host memory already
         outer = dataclasses.replace(outer, offload_outer_state=False)
     cluster_job = exchange.cluster_index if exchange.lighthouse else None
-    topo = build_topology(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          args.virtual_pipeline_model_parallel_size, outer.clusters, args.dilocox,
+    topo = build_topology(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                          run.virtual_pipeline_model_parallel_size, outer.clusters, run.dilocox,
                           outer.outer_timeout_s, outer_backend="gloo" if outer.offload_outer_state else None,
                           cluster_job=cluster_job)
     if cluster_job is not None:
-        args.save = per_cluster(args.save, cluster_job)
-        if args.load and os.path.isdir(per_cluster(args.load, cluster_job)):
-            args.load = per_cluster(args.load, cluster_job)
-        args.metrics_file = per_cluster(args.metrics_file, cluster_job, file=True)
-    if args.save:
-        lock_save_dir(args.save)  # before anything is read or written: one run per save directory
+        run.checkpoint, run.logging = _per_cluster_job(run.checkpoint, run.logging, cluster_job)
+    if run.checkpoint.save:
+        lock_save_dir(run.checkpoint.save)  # before anything is read or written: one run per save directory
     audit = CommAudit(topo.cluster_size).install() if topo.clusters > 1 else None
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    seed = run.training.seed
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    data = run.data
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    train_data, valid_data = build_datasets(args, tokenizer)
-    config = transformer_config(args)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
-    chunks = build_gpt_chunks(args, config, args.padded_vocab_size)
-    initialize_parameters(chunks, config, args.seed, tied=not args.untie_embeddings_and_output_weights)
-    model = wrap_ddp(chunks, config, topo, args.use_distributed_optimizer)
-    resume = Resume.find(args, topo) if args.load else None
+    train_data, valid_data = build_datasets(run, tokenizer)
+    config = transformer_config(run)
+    run.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, run.model, parallel.tensor_model_parallel_size)
+    chunks = build_gpt_chunks(run.model, config, run.padded_vocab_size)
+    initialize_parameters(chunks, config, seed, tied=not run.model.untie_embeddings_and_output_weights)
+    model = wrap_ddp(chunks, config, topo, parallel.use_distributed_optimizer)
+    resume = Resume.find(run, topo) if run.checkpoint.load else None
     if resume is not None:
         resume.load_weights(model)  # before the optimizer copies them into its main params
-    optimizer, scheduler = build_optimizer(args, model, config, topo)
+    optimizer, scheduler = build_optimizer(run, model, config, topo)
     dilocox = None
-    if args.dilocox:
+    if run.dilocox:
         link = connect_clusters(exchange, outer.clusters, topo, audit) if cluster_job is not None else None
-        dilocox = DiLoCoX(optimizer, topo, outer, compression_config(args), args.seed, audit, link)
-    logger = MetricsLogger(args, is_writer=dist.get_rank() == dist.get_world_size() - 1)
-    save_checkpoint = partial(checkpointing.save, args, topo) if args.save else None
-    trainer = Trainer(args, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,
+        dilocox = DiLoCoX(optimizer, topo, outer, run.compression, seed, audit, link)
+    is_writer = dist.get_rank() == dist.get_world_size() - 1
+    logger = MetricsLogger(run.logging, run.training.train_iters, is_writer, settings=run.flat())
+    save_checkpoint = partial(checkpointing.save, run, topo) if run.checkpoint.save else None
+    trainer = Trainer(run, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,
                       save_checkpoint)
     if resume is not None:
         logger.print(resume.describe())
@@ -143,26 +155,28 @@ def setup(args):
     return trainer
 
 
-def describe(args, topo) -> str:
-    layout = (f"TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size}"
-              f"{' VPP=' + str(args.virtual_pipeline_model_parallel_size) if args.virtual_pipeline_model_parallel_size else ''}"
+def describe(run: RunConfig, topo) -> str:
+    parallel, vpp = run.parallel, run.virtual_pipeline_model_parallel_size
+    layout = (f"TP={parallel.tensor_model_parallel_size} PP={parallel.pipeline_model_parallel_size}"
+              f"{' VPP=' + str(vpp) if vpp else ''}"
               f" DP={topo.data_parallel_size}")
-    if args.dilocox:
+    if run.dilocox:
         return (f"DiLoCoX: {topo.clusters} clusters x {topo.cluster_size} ranks ({layout}, DP_in={topo.inner_dp_size}), "
-                f"H={args.dilocox_local_steps}, sync mode {args.dilocox_sync_mode}")
+                f"H={run.outer.local_steps}, sync mode {run.outer.sync_mode}")
     return f"vanilla AllReduce: {layout}"
 
 
-def run(args) -> None:
-    trainer = setup(args)
+def run(run_config: RunConfig) -> None:
+    trainer = setup(run_config)
+    training = run_config.training
     if cpu.installed():
         trainer.logger.print(cpu.NOTE)
-    trainer.logger.print(f"> {describe(args, trainer.topo)}; {args.train_iters} iterations, "
-                         f"global batch {args.global_batch_size} x {args.seq_length} tokens")
+    trainer.logger.print(f"> {describe(run_config, trainer.topo)}; {training.train_iters} iterations, "
+                         f"global batch {training.global_batch_size} x {run_config.model.seq_length} tokens")
     trainer.train()
     if backend.on_cuda():
         trainer.logger.print(f"> peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    if args.metrics_file:
-        trainer.logger.print(f"> metrics written to {os.path.abspath(args.metrics_file)}")
+    if run_config.logging.metrics_file:
+        trainer.logger.print(f"> metrics written to {os.path.abspath(run_config.logging.metrics_file)}")
     trainer.logger.close()
     dist.destroy_process_group()

@@ -21,6 +21,7 @@ import sys
 sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -52,23 +53,25 @@ def _single_process_world():
     model_parallel_cuda_manual_seed(0)  # megatron builds layers under its RNG tracker
 
 
-def _build_model(args, vocab_size: int):
-    """The model at TP1/PP1 in eval mode, and its megatron config."""
+def _tp1_run(model_flags: dict, vocab_size: int):
+    """The settings of a one-process fp32 run (TP1/PP1, mock data) of the model ``model_flags``
+    describes (model flags by attribute name; None: not given)."""
+    from megatron_dilocox.arguments import parse_args
+    from megatron_dilocox.checkpoint import hf
+
+    given = {name: value for name, value in model_flags.items() if value is not None}
+    return parse_args(hf.as_argv(given) + ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1",
+                                           "--mock-data", "--tokenizer-type", "NullTokenizer",
+                                           "--vocab-size", str(vocab_size)])
+
+
+def _build_model(run, vocab_size: int):
+    """The model of a :func:`_tp1_run` in eval mode, and its megatron config."""
     from megatron_dilocox.training.model import build_gpt_chunks, transformer_config
 
-    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
-    args.virtual_pipeline_model_parallel_size = None
-    args.sequence_parallel = args.bf16 = False
-    config = transformer_config(args)
-    (chunk,) = build_gpt_chunks(args, config, vocab_size)
+    config = transformer_config(run)
+    (chunk,) = build_gpt_chunks(run.model, config, vocab_size)
     return chunk.eval(), config
-
-
-def _args_from_manifest(manifest: dict) -> argparse.Namespace:
-    from megatron_dilocox.arguments import build_parser
-
-    defaults = {a.dest: a.default for a in build_parser()._actions if a.dest != "help"}
-    return argparse.Namespace(**{**defaults, **manifest["args"]})
 
 
 def _our_logits(chunk, tokens):
@@ -85,19 +88,21 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
 
     from megatron_dilocox.checkpoint import files, hf
     from megatron_dilocox.checkpoint.checkpointing import load_weights
+    from megatron_dilocox.run_config import ModelConfig
     from megatron_dilocox.training.model import gather_full_params
 
     folder = files.iteration_dir(load, iteration) if iteration is not None else files.latest(load)
     manifest = files.read_manifest(folder)
     files.verify(folder, manifest, sorted(manifest["files"]))
-    args = _args_from_manifest(manifest)
     vocab = manifest["model"]["padded_vocab_size"]
-    family = hf.hf_family(args)
+    run = _tp1_run({f.name: manifest["args"].get(f.name) for f in dataclasses.fields(ModelConfig)}, vocab)
+    model = run.model
+    family = hf.hf_family(model)
     _single_process_world()
-    chunk, model_config = _build_model(args, vocab)
+    chunk, model_config = _build_model(run, vocab)
     load_weights([chunk], folder)
-    tied = not args.untie_embeddings_and_output_weights
-    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), args, model_config, vocab)
+    tied = not model.untie_embeddings_and_output_weights
+    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), model, model_config, vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
     out = Path(save)
@@ -110,7 +115,7 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     print(f"> wrote {family} model ({model.num_parameters():,} parameters) from {folder} (iteration {manifest['iteration']}) to {out}")
     if check_logits:
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        tokens = torch.randint(0, vocab, (2, min(64, args.seq_length)), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, vocab, (2, min(64, model.seq_length)), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             theirs = reloaded(tokens).logits.float()
         print(f"> logits check on {tuple(tokens.shape)} random tokens: max abs difference "
@@ -121,26 +126,25 @@ def from_hf(load: str, save: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_dilocox.arguments import padded_vocab_size, parse_args
+    from megatron_dilocox.arguments import padded_vocab_size
     from megatron_dilocox.checkpoint import hf
     from megatron_dilocox.checkpoint.checkpointing import save_weights
 
     config = AutoConfig.from_pretrained(load)
     params, flags = hf.from_hf(AutoModelForCausalLM.from_pretrained(load, dtype=torch.float32), config)
-    model_flags = hf.as_argv({k: v for k, v in flags.items() if k != "vocab_size"})
-    args = parse_args(model_flags + [
-        "--seq-length", str(flags["max_position_embeddings"]), "--micro-batch-size", "1", "--train-iters", "1",
-        "--lr", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(flags["vocab_size"])])
-    args.padded_vocab_size = padded_vocab_size(flags["vocab_size"], args)
+    vocab = flags.pop("vocab_size")
+    model_flags = hf.as_argv(flags)
+    run = _tp1_run({**flags, "seq_length": flags["max_position_embeddings"]}, vocab)
+    run.padded_vocab_size = padded_vocab_size(vocab, run.model)
     _single_process_world()
-    chunk, _ = _build_model(args, args.padded_vocab_size)
+    chunk, _ = _build_model(run, run.padded_vocab_size)
     ours = dict(chunk.named_parameters())
     if set(ours) != set(params):
         _fail(f"{load}: converted names do not match the model: {sorted(set(ours) ^ set(params))[:5]}")
     with torch.no_grad():
         for name, param in ours.items():
             param.copy_(params[name])
-    folder = save_weights([chunk], args, save, source=f"huggingface:{os.path.abspath(load)}")
+    folder = save_weights([chunk], run, save, source=f"huggingface:{os.path.abspath(load)}")
     print(f"> wrote a weights-only checkpoint to {folder}")
     print("> train or evaluate it with these model flags (plus your layout, data and training flags):")
     print("  " + " ".join(model_flags) + f" --load {save}")
