@@ -96,13 +96,12 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     files.verify(folder, manifest, sorted(manifest["files"]))
     vocab = manifest["model"]["padded_vocab_size"]
     run = _tp1_run({f.name: manifest["args"].get(f.name) for f in dataclasses.fields(ModelConfig)}, vocab)
-    model = run.model
-    family = hf.hf_family(model)
+    family = hf.hf_family(run.model)
     _single_process_world()
     chunk, model_config = _build_model(run, vocab)
     load_weights([chunk], folder)
-    tied = not model.untie_embeddings_and_output_weights
-    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), model, model_config, vocab)
+    tied = not run.model.untie_embeddings_and_output_weights
+    config, state_dict = hf.to_hf(gather_full_params([chunk], tied), run.model, model_config, vocab)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
     out = Path(save)
@@ -115,7 +114,7 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     print(f"> wrote {family} model ({model.num_parameters():,} parameters) from {folder} (iteration {manifest['iteration']}) to {out}")
     if check_logits:
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        tokens = torch.randint(0, vocab, (2, min(64, model.seq_length)), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, vocab, (2, min(64, run.model.seq_length)), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             theirs = reloaded(tokens).logits.float()
         print(f"> logits check on {tuple(tokens.shape)} random tokens: max abs difference "
