@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         from megatron_dilocox.platform import cpu
 
         cpu.prepare()  # before megatron-core is imported: without CUDA it must see the CPU
-        from megatron_dilocox.training.setup import run  # heavy imports after --help and flag checks
+        from megatron_dilocox.job import run  # heavy imports after --help and flag checks
 
         run(run_config)
     except (ConfigError, ClusterLossError) as err:

@@ -9,9 +9,8 @@ an optimizer step.
 The model's weights as megatron's sharded state dict (:func:`model_sharded_state_dict`), whose
 keys do not depend on the parallel layout: what checkpoints save and load.
 
-This module sits below ``training/`` and ``checkpoint/``, which both use it: ``checkpoint/``
-never imports ``training/``, and of ``training/`` only the wiring in ``setup.py`` imports
-``checkpoint/``.
+This module sits below ``training/`` and ``checkpoint/``, which both use it and never import
+each other (:mod:`megatron_dilocox.job` wires them).
 """
 
 import torch

@@ -27,7 +27,7 @@ from megatron_dilocox.training.loop import Trainer
 from megatron_dilocox.training.metrics import MetricsLogger
 from megatron_dilocox.training.model import (
     build_gpt_chunks, gather_full_params, initialize_parameters, transformer_config, wrap_ddp)
-from megatron_dilocox.training.setup import build_optimizer
+from megatron_dilocox.job import build_optimizer
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

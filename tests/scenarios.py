@@ -25,7 +25,7 @@ from megatron_dilocox.platform import cpu
 cpu.prepare()  # before megatron-core is imported
 from megatron_dilocox.arguments import parse_args  # noqa: E402
 from megatron_dilocox.errors import ConfigError  # noqa: E402
-from megatron_dilocox.training.setup import setup  # noqa: E402
+from megatron_dilocox.job import setup  # noqa: E402
 from megatron_dilocox.training.model import gather_full_params  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 

@@ -22,7 +22,7 @@ from megatron_dilocox.platform import cpu
 
 cpu.prepare()  # before megatron-core is imported
 from megatron_dilocox.arguments import parse_args  # noqa: E402
-from megatron_dilocox.training.setup import setup  # noqa: E402
+from megatron_dilocox.job import setup  # noqa: E402
 from megatron_dilocox.training.loop import forward_step  # noqa: E402
 
 

@@ -20,7 +20,7 @@ This package never imports ``training/``. What it saves and restores is plain di
 trainer's state dict (its ``eval_round`` and ``scheduler`` go into the manifest, the entries
 named in :data:`RANK_STATE` into the rank's file), and megatron's sharded state dicts, through
 the adapter below both (:mod:`megatron_dilocox.megatron_state`). The entry point's layer
-(``training/setup.py``) wires the two.
+(``megatron_dilocox/job.py``) wires the two.
 """
 
 import atexit

@@ -1,8 +1,8 @@
 """From parsed flags to a running job: process groups, data, model, optimizers, loop.
 
-The entry point's layer, and the only module of ``training/`` that imports ``checkpoint/``
-(which never imports ``training/``): it wires the two, handing a resumed checkpoint's state to
-:meth:`Trainer.load_state_dict` and :func:`checkpointing.save` to the trainer.
+The entry point's layer, above ``training/`` and ``checkpoint/``, which never import each other:
+it wires the two, handing a resumed checkpoint's state to :meth:`Trainer.load_state_dict` and
+:func:`checkpointing.save` to the trainer.
 
 Without CUDA, megatron-core runs here only through the CPU bridge, which the entry point
 installs first (:func:`megatron_dilocox.platform.cpu.prepare`); importing this module does not.
