@@ -61,11 +61,35 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     assert "cross-cluster bytes between boundaries: 0 |" in out
 
 
+def follow(jobs, kills):
+    """Reads the launcher's output to its end; ``kills`` maps (cluster, iteration) to a call made
+    once, when that cluster logs that iteration, that returns how many processes it found.
+    Returns the lines and the kills made, in order, as (cluster, iteration, processes found)."""
+    lines, made = [], []
+    deadline = time.monotonic() + 900
+    for line in jobs.stdout:
+        lines.append(line)
+        for (k, after), kill in kills.items():
+            if (k, after) not in [m[:2] for m in made] and line.startswith(f"[cluster {k}]") \
+                    and f"iteration {after:>8}/" in line:
+                made.append((k, after, kill()))
+        assert time.monotonic() < deadline, "".join(lines[-80:])
+    jobs.wait(timeout=60)
+    return lines, made
+
+
 def _kill_worker(k):
     """SIGKILL cluster k's training process only: its torchrun agent sees the failure and restarts it."""
     workers = cluster_workers(k)
     for p in workers:
         p.send_signal(signal.SIGKILL)
+    return len(workers)
+
+
+def _kill_first_worker(k):
+    """SIGKILL one of cluster k's training processes: torchrun stops the others and restarts all."""
+    workers = cluster_workers(k)
+    workers[0].send_signal(signal.SIGKILL)
     return len(workers)
 
 
@@ -88,18 +112,9 @@ def test_a_lost_cluster_does_not_stop_the_others(tmp_path):
                      "--dilocox-compression", "none", "--dilocox-failure-timeout-s", "20", "--dilocox-min-clusters", "2",
                      "--metrics-file", str(tmp_path / "m.jsonl"), "--save", str(tmp_path / "ckpt")]
     jobs = launch(3, 1, flags)
-    lines, killed = [], []
-    deadline = time.monotonic() + 900
-    for line in jobs.stdout:
-        lines.append(line)
-        for k, after in ((2, 10), (1, 30)):
-            if k not in killed and line.startswith(f"[cluster {k}]") and f"iteration       {after}/" in line:
-                assert _kill_cluster(k) >= 2
-                killed.append(k)
-        assert time.monotonic() < deadline, "".join(lines[-80:])
-    jobs.wait(timeout=60)
+    lines, killed = follow(jobs, {(2, 10): lambda: _kill_cluster(2), (1, 30): lambda: _kill_cluster(1)})
     out = "".join(lines)
-    assert killed == [2, 1], out[-6000:]
+    assert [m[:2] for m in killed] == [(2, 10), (1, 30)] and all(n >= 2 for *_, n in killed), out[-6000:]
     assert jobs.returncode != 0 and "finished: none" in out, out[-6000:]
     assert "2 of 3 clusters delivered" in out
     stopped = [line for line in lines if line.startswith("[cluster 0]") and "saving a checkpoint before stopping" in line]
@@ -130,20 +145,10 @@ def test_a_restarted_cluster_rejoins_from_a_live_peer(tmp_path):
                      "--dilocox-sync-mode", "sync", "--dilocox-compression", "none", "--dilocox-failure-timeout-s", "60",
                      "--dilocox-emulated-delay-s", "1.5", "--metrics-file", str(tmp_path / "m.jsonl")]
     jobs = launch(2, 2, flags, args=["--max-restarts", "1"])
-    lines, killed = [], False
-    deadline = time.monotonic() + 900
-    for line in jobs.stdout:
-        lines.append(line)
-        if not killed and line.startswith("[cluster 1]") and "iteration       10/" in line:
-            workers = cluster_workers(1)
-            assert len(workers) == 2
-            workers[0].send_signal(signal.SIGKILL)
-            killed = True
-        assert time.monotonic() < deadline, "".join(lines[-80:])
-    jobs.wait(timeout=60)
+    lines, killed = follow(jobs, {(1, 10): lambda: _kill_first_worker(1)})
     out = "".join(lines)
     restarted_log = "".join(line for line in lines if line.startswith("[cluster 1]"))
-    assert killed and jobs.returncode == 0 and "lost clusters" not in out, (restarted_log or out)[-6000:]
+    assert killed == [(1, 10, 2)] and jobs.returncode == 0 and "lost clusters" not in out, (restarted_log or out)[-6000:]
     joined = [line for line in lines if line.startswith("[cluster 1]") and "joined the running clusters" in line]
     assert len(joined) == 1, out[-6000:]
     # The metrics files are written by each cluster's last pipeline stage.
@@ -174,17 +179,9 @@ def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):
                      "--dilocox-compression", "none", "--dilocox-min-clusters", "2", "--dilocox-failure-timeout-s", "5",
                      "--dilocox-rejoin-timeout-s", "600", "--metrics-file", str(tmp_path / "m.jsonl")]
     jobs = launch(2, 1, flags, args=["--max-restarts", "1"])
-    lines, killed = [], False
-    deadline = time.monotonic() + 900
-    for line in jobs.stdout:
-        lines.append(line)
-        if not killed and line.startswith("[cluster 1]") and "iteration       10/" in line:
-            assert _kill_worker(1) == 1
-            killed = True
-        assert time.monotonic() < deadline, "".join(lines[-80:])
-    jobs.wait(timeout=60)
+    lines, killed = follow(jobs, {(1, 10): lambda: _kill_worker(1)})
     out = "".join(lines)
-    assert killed and jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
+    assert killed == [(1, 10, 1)] and jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
     assert "saving a checkpoint before stopping" not in out
     metrics = [read_jsonl(tmp_path / name) for name in ("m.jsonl", "m.cluster-1.jsonl")]
     rounds = [(r["iteration"], r["participants"]) for r in metrics[0] if "outer_step" in r]
