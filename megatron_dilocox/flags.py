@@ -84,7 +84,7 @@ def add_flags(group, cls, prefix: str | None, *, names=None, unset: bool = False
             continue
         value_type, optional = _value_type(cls, f)
         common = dict(dest=dest(f, prefix), help=help_text(docs[f.name]))
-        required = f.default is dataclasses.MISSING
+        required = f.default is dataclasses.MISSING and not unset
         default = None if unset or required or f.metadata.get("resolved") else f.default
         if typing.get_origin(value_type) is list:
             (item_type,) = typing.get_args(value_type)

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dilocox import flags  # noqa: E402
 from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig  # noqa: E402
+from megatron_dilocox.run_config import ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
 from megatron_dilocox.planner import Layout, Machine, ModelShape, plan  # noqa: E402
 from megatron_dilocox.planner.report import report  # noqa: E402
 
@@ -66,37 +67,25 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{action.help} (default: {default})"
 
 
+# The launch flags the planner reads (stated once, in megatron_dilocox/run_config.py).
+PLANNED_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "seq_length", "max_position_embeddings", "position_embedding_type", "normalization",
+                 "make_vocab_size_divisible_by", "swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights")
+PLANNED_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer")
+PLANNED_TRAINING = ("micro_batch_size", "global_batch_size", "bf16", "recompute_granularity")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_HelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), help="Fill every flag from a preset "
                     "(flags given on the command line still win).")
     g = ap.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, help="Transformer layers.")
-    g.add_argument("--hidden-size", type=int, help="Transformer hidden size.")
-    g.add_argument("--num-attention-heads", type=int, help="Attention heads.")
-    g.add_argument("--num-query-groups", type=int, help="Key/value head groups (default: one per head).")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default: 4 x hidden size).")
-    g.add_argument("--seq-length", type=int, help="Tokens per sample.")
-    g.add_argument("--max-position-embeddings", type=int, help="Learned position table size (default: --seq-length).")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], help="Position embeddings.")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="Normalization layer.")
+    flags.add_flags(g, ModelConfig, None, names=PLANNED_MODEL, unset=True)
     g.add_argument("--vocab-size", type=int, help="Tokenizer vocabulary (before padding).")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, help="Pad the vocabulary to a multiple of this.")
-    g.add_argument("--swiglu", action="store_true", default=None, help="Gated SiLU MLP (three matrices).")
-    g.add_argument("--disable-bias-linear", action="store_true", default=None, help="No biases in linear layers.")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
-                   help="Separate output layer instead of the input embedding.")
-    g = ap.add_argument_group("parallelism and training")
-    g.add_argument("--tensor-model-parallel-size", type=int, help="Tensor-parallel size.")
-    g.add_argument("--pipeline-model-parallel-size", type=int, help="Pipeline-parallel size.")
-    g.add_argument("--micro-batch-size", type=int, help="Samples per micro-batch per rank.")
-    g.add_argument("--global-batch-size", type=int, help="Samples per step over all clusters "
-                   "(default: one micro-batch per data-parallel rank).")
-    g.add_argument("--use-distributed-optimizer", action="store_true", default=None,
-                   help="Optimizer state sharded over the cluster's data-parallel ranks.")
-    g.add_argument("--bf16", action="store_true", default=None, help="bf16 weights and compute, fp32 main params.")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"],
-                   help="'full' keeps layer inputs only (+33%% compute); 'selective' is modelled as none.")
+    g = ap.add_argument_group("parallelism and training", "--recompute-granularity full is modelled as +33%% "
+                              "compute (layer inputs kept only), selective as no recomputation.")
+    flags.add_flags(g, ParallelConfig, None, names=PLANNED_PARALLEL, unset=True)
+    flags.add_flags(g, TrainingConfig, None, names=PLANNED_TRAINING, unset=True)
     g = ap.add_argument_group("DiLoCoX")
     flags.add_flags(g, DiLoCoXConfig, "dilocox", names=PLANNED_OUTER, unset=True)
     flags.add_flags(g, CompressionConfig, "dilocox", names=PLANNED_COMPRESSION, unset=True)
