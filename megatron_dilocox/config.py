@@ -37,6 +37,14 @@ class DiLoCoXConfig:
 
     With adaptive H (:attr:`max_local_steps`) the first round's H."""
 
+    local_steps_ramp_iters: int = 0
+    """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off).
+
+    The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
+    ``min(H, 1 + H * i // N)``, so the first rounds, where the replicas would drift apart most
+    while the loss falls fastest, are short (docs/convergence.md). The ramp adds about
+    ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (59 at N = 300, H = 10)."""
+
     min_local_steps: int | None = None
     """Lower bound of an adaptive H."""
 
@@ -115,6 +123,12 @@ class DiLoCoXConfig:
             return None if self.max_local_steps is not None else DEFAULT_OVERLAP_STEPS
         return self.overlap_steps
 
+    def local_steps_at(self, iteration: int) -> int:
+        """H of the round that starts after ``iteration`` inner steps (:attr:`local_steps_ramp_iters`)."""
+        if iteration >= self.local_steps_ramp_iters:
+            return self.local_steps
+        return min(self.local_steps, 1 + self.local_steps * iteration // self.local_steps_ramp_iters)
+
     @property
     def use_nesterov(self) -> bool:
         """Whether the outer step is Nesterov (it needs momentum)."""
@@ -130,6 +144,10 @@ class DiLoCoXConfig:
             raise ValueError(f"--dilocox-clusters must be >= 1, got {self.clusters}")
         if self.local_steps < 1:
             raise ValueError(f"--dilocox-local-steps must be >= 1, got {self.local_steps}")
+        if self.local_steps_ramp_iters < 0:
+            raise ValueError(f"--dilocox-local-steps-ramp-iters must be >= 0, got {self.local_steps_ramp_iters}")
+        if self.local_steps_ramp_iters and self.max_local_steps is not None:
+            raise ValueError("--dilocox-local-steps-ramp-iters and --dilocox-max-local-steps (adaptive H) both set H: use one")
         if self.max_local_steps is not None:
             low = self.min_local_steps or 1
             if not 1 <= low <= self.local_steps <= self.max_local_steps:

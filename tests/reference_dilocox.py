@@ -71,12 +71,16 @@ def run(spec, out):
         flush = quantized_arrival([p.numel() for p in params[0]], sent.bits, sent.block)
     ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov,
                           compressors, comp.keep_unsent, flush)
+    boundary, landing = cfg.local_steps_at(0), None
     for iteration in range(1, args.training.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)
-        if iteration % cfg.local_steps == 0:
+        if iteration == boundary:
             ref.step(params)
-        elif cfg.landing and iteration > cfg.local_steps and iteration % cfg.local_steps == cfg.landing:
+            h = cfg.local_steps_at(iteration)
+            boundary += h
+            landing = iteration + cfg.landing if cfg.landing and cfg.landing < h else None
+        elif iteration == landing:
             ref.land(params)
     ref.finish(params)
     torch.save(gather_full_params(replicas[0].model, tied), f"{out}/{spec['name']}.reference.pt")

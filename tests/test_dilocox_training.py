@@ -27,6 +27,10 @@ COMPRESSED = ["--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4"
 TOPK = ["--dilocox-compression", "topk", "--dilocox-quant-bits", "2", "--dilocox-topk-chunk", "1024"]
 # eager with each round's average applied one inner step into the next round.
 LANDING = ["--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "1"]
+# H ramped from 1 to 3 over the first 6 iterations: rounds of 1, 1, 2 and 3 steps, then 3
+# (boundaries at 1, 2, 4, 7), each average landing one step in where the round is long enough
+# (the last at 8: nothing is left to drain at the end).
+RAMP = ["--dilocox-sync-mode", "delay", "--dilocox-local-steps-ramp-iters", "6"]
 # C = 4 clusters of one rank (overriding MODEL's 2, so that 1/C is neither 1/2 nor 1 - 1/C), each
 # round's average applied at the next boundary: a replica trains a whole round from its restart point.
 C4_AT_BOUNDARY = ["--dilocox-clusters", "4", "--dilocox-overlap-steps", str(H)]
@@ -53,6 +57,7 @@ def runs(tmp_path_factory):
     specs.append({"name": "compressed", "flags": MODEL + LAYOUTS["pp2"] + COMPRESSED})
     specs.append({"name": "topk", "flags": MODEL + LAYOUTS["pp2"] + TOPK})
     specs.append({"name": "pp2_landing", "flags": MODEL + LAYOUTS["pp2"] + LANDING})
+    specs.append({"name": "pp2_ramp", "flags": MODEL + LAYOUTS["pp2"] + RAMP})
     specs.append({"name": "eager_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", "eager"]})
     specs.append({"name": "topk_c4_unsent_flush", "flags": MODEL + TOPK_C4 + UNSENT_FLUSH})
     specs.append({"name": "adaptive_h", "flags": MODEL + LAYOUTS["tp2"] + ADAPTIVE_H})
@@ -64,6 +69,7 @@ def runs(tmp_path_factory):
     torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")])
     refs = [{"name": mode, "flags": MODEL + ["--dilocox-sync-mode", mode]} for mode in MODES]
     refs.append({"name": "landing", "flags": MODEL + LANDING})
+    refs.append({"name": "ramp", "flags": MODEL + RAMP})
     refs += [{"name": f"{mode}_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", mode]}
              for mode in ("eager", "delay")]
     neither = ["--no-dilocox-keep-unsent", "--no-dilocox-flush-residual"]
@@ -97,6 +103,14 @@ def test_landing_mid_round_matches_reference(runs):
     records = read_jsonl(runs / "pp2_landing.metrics.jsonl")
     # Each boundary reports the round that landed during it; the last round is drained at the end.
     assert [r["bytes_sent"] > 0 for r in records if "outer_step" in r] == [False] + [True] * (ITERS // H)
+
+
+def test_local_steps_ramp_matches_reference(runs):
+    _assert_matches_reference(runs, "pp2_ramp", "ramp", "delay")
+    rounds = [r for r in read_jsonl(runs / "pp2_ramp.metrics.jsonl") if "outer_step" in r]
+    assert [(r["iteration"], r.get("local_steps")) for r in rounds] == [(1, 1), (2, 2), (4, 3), (7, 3)]
+    infos = [json.loads((runs / f"pp2_ramp.info.{rank}.json").read_text()) for rank in range(4)]
+    assert all(info["hash_checks"] == 4 for info in infos)
 
 
 def test_eager_at_boundary_matches_reference(runs):

@@ -600,3 +600,15 @@ def test_agreed_finiteness_decides_the_skip(mode):
     assert all(torch.equal(p, v) for p, v in zip(params, sync.views(sync.base)))
     assert any("skipping the outer update" in str(w.message) for w in caught)
     sync.close()
+
+
+def test_local_steps_ramp():
+    """H grows from 1 by one step every N / H iterations and stays at H from iteration N on; the
+    rounds it adds over a run follow the harmonic sum in the flag's help."""
+    ramp = DiLoCoXConfig(local_steps=10, local_steps_ramp_iters=300)
+    assert [ramp.local_steps_at(i) for i in (0, 29, 30, 59, 60, 269, 270, 299, 300, 5000)] == [1, 1, 2, 2, 3, 9, 10, 10, 10, 10]
+    assert [DiLoCoXConfig(local_steps=10).local_steps_at(i) for i in (0, 7)] == [10, 10]
+    boundary, rounds = 0, 0
+    while boundary < 1400:
+        boundary, rounds = boundary + ramp.local_steps_at(boundary), rounds + 1
+    assert rounds - 140 == 59 and abs(59 - 300 / 10 * sum(1 / h for h in range(2, 11))) < 2

@@ -19,7 +19,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -118,9 +118,17 @@ case "$STUDY" in
              --method "sync fp32 inner 2.8e-3=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4"
              --method "DiLoCoX defaults inner 5.6e-3 density 1/32=$DLX --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-topk-density 0.03125"
              --method "DiLoCoX defaults inner 8e-3 density 1/32=$DLX --lr 8e-3 --min-lr 8e-4 --dilocox-topk-density 0.03125") ;;
+  early)  # levers aimed at the first rounds, on blocking DiLoCo first (its seed spread is made there)
+    SYNC4="$SYNC_FP32 --lr 4e-3 --min-lr 4e-4"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "sync fp32 inner 4e-3=$SYNC4"
+             --baseline "AllReduce lr 4e-3" --compare "sync fp32 inner 4e-3"
+             --method "sync fp32 inner 4e-3 H1=$SYNC4 --dilocox-local-steps 1"
+             --method "sync fp32 inner 4e-3 H ramp 300=$SYNC4 --dilocox-local-steps-ramp-iters 300"
+             --method "sync fp32 inner 4e-3 warm-up 300=$SYNC4 --lr-warmup-iters 300"
+             --method "sync fp32 inner 4e-3 H5=$SYNC4 --dilocox-local-steps 5") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

@@ -64,7 +64,7 @@ class DiLoCoX:
                               flush=residual if compression.flush_residual else None,
                               flush_reducer=flush_reducer)
         self._round_start_time = time.perf_counter()
-        self.local_steps = config.local_steps
+        self.local_steps = config.local_steps_at(0)
         self.next_boundary = self.local_steps
         self.next_landing: int | None = None
         self._rejoined: int | None = None  # see take_rejoin
@@ -121,7 +121,11 @@ class DiLoCoX:
         the reduction launched at their iteration ``joined_at`` at ``applied_at``."""
         launched, self.sync.joined_at = self.sync.joined_at, None
         self._rejoined = applied_at
-        self.next_boundary = launched + self.local_steps * (1 + (applied_at - launched) // self.local_steps)
+        boundary = launched  # the peers' next boundary: their rounds from there on (H ramp included)
+        while boundary <= applied_at:
+            self.local_steps = self.config.local_steps_at(boundary)
+            boundary += self.local_steps
+        self.next_boundary = boundary
 
     def _find_tied_embedding(self) -> int | None:
         """Index of this rank's copy of a tied word embedding kept on two pipeline stages.
@@ -227,6 +231,8 @@ class DiLoCoX:
         adapted = {}
         if self.config.max_local_steps is not None and stats.bytes_sent:
             adapted = self._adapt_local_steps(stats.comm_s, compute_s)
+        elif self.config.max_local_steps is None:
+            self.local_steps = self.config.local_steps_at(iteration)
         record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps, **adapted)
         self.next_boundary = iteration + self.local_steps
         if self.sync.joined_at is not None:  # sync: applied where launched; delay, eager: one round later
