@@ -23,10 +23,14 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 PROG = "python -m megatron_dilocox.launch"
 HEARTBEAT_TIMEOUT_MS = 5000
 """How long the Lighthouse waits for a silent cluster before it forms quorums without it."""
+LIGHTHOUSE_SETTINGS = dict(min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=100,
+                           heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+"""The Lighthouse's settings (torchft's ``LighthouseServer`` keywords, ``torchft_lighthouse`` flags)."""
 
 
 def _free_port() -> int:
@@ -49,12 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_command(script: list[str], k: int, clusters: int, nproc: int, lighthouse: str,
-                    max_restarts: int = 0) -> list[str]:
-    """The torchrun command line of cluster ``k``."""
+                    max_restarts: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None) -> list[str]:
+    """The torchrun command line of cluster ``k``; ``master_addr``: the cluster's own address,
+    where the other clusters reach its store (default: this machine's loopback, a free port)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *script,
+            f"--max-restarts={max_restarts}", f"--master-addr={master_addr}",
+            f"--master-port={master_port or _free_port()}", *script,
             "--dilocox-lighthouse", lighthouse, "--dilocox-cluster-index", str(k),
             "--dilocox-clusters", str(clusters)]
+
+
+def lighthouse_command(port: int) -> list[str]:
+    """A standalone Lighthouse on every interface at ``port`` (torchft's ``torchft_lighthouse``)."""
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    return [str(binary), "--bind", f"[::]:{port}", *(x for key, value in LIGHTHOUSE_SETTINGS.items()
+                                                   for x in (f"--{key}", str(value)))]
 
 
 def _pump(stream, prefix: str, out) -> None:
@@ -85,8 +98,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse logs every quorum request at info
         from torchft._torchft import LighthouseServer
 
-        server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=100,
-                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+        server = LighthouseServer(bind="[::]:0", **LIGHTHOUSE_SETTINGS)
         lighthouse = server.address().replace("http://", "")
         print(f"> torchft Lighthouse at {lighthouse}", flush=True)
 

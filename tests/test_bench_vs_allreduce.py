@@ -83,6 +83,10 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     ar, dlx, alone = by["allreduce"], by["dilocox-overlap-compressed"], by["compute-only"]
     assert dlx["label"] == "DiLoCoX eager+comp" and result["setup"]["overlap_mode"] == "eager"
     assert all("--dilocox-sync-mode eager" in c for c in result["commands"]["dilocox-overlap-compressed"])
+    # DiLoCoX ran as one job per cluster joined by a Lighthouse, AllReduce as one job across them.
+    for name in ("dilocox-overlap-compressed", "dilocox-sync-shaped", "dilocox-sync-unshaped"):
+        assert [f"--dilocox-cluster-index {k}" in c for k, c in enumerate(result["commands"][name])] == [True, True]
+    assert len(result["commands"]["allreduce"]) == 2 and "--dilocox-lighthouse" not in str(result["commands"]["allreduce"])
     assert ar["tokens"] == dlx["tokens"] == alone["tokens"] == 20 * 8 * 64
     assert ar["speedup_vs_allreduce"] == 1.0 and alone["fraction_of_compute_only"] == 1.0
     assert [p["iteration"] for p in ar["curve"]] == [10, 20] == [p["iteration"] for p in alone["curve"]]
@@ -93,6 +97,7 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     # ... and they were rate-limited: they cannot cross faster than the link allows.
     assert ar["train_s"] >= 0.9 * ar["cross_cluster_bytes"] * 8 / rate, ar
     assert dlx["cross_cluster_bytes"] * 10 < ar["cross_cluster_bytes"]
+    assert all(dlx["cross_cluster_bytes"] <= sent for sent in dlx["link_tx_bytes"]), dlx  # through the links too
     assert max(alone["link_tx_bytes"]) < 64 * 1024 and alone["cross_cluster_bytes"] == 0
 
 

@@ -131,6 +131,7 @@ class ClusterExchange:
             min_replica_size=config.min_clusters, use_async_quorum=False, init_sync=False,
             replica_id=f"c{config.cluster_index:05d}",  # torchft orders members by this string
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+            hostname=store_addr,  # where the other clusters reach this one (the host's name may not resolve there)
             lighthouse_addr=config.lighthouse_url, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout)
         self._started = time.monotonic()

@@ -1,6 +1,7 @@
-"""The benchmarked methods and their runs: every method's pretrain_gpt.py flags, launched as one
-job over the clusters' namespaces (or, unshaped, in one of them) or as one job per cluster
-(compute-only), with progress lines and the shaped interfaces' byte counters."""
+"""The benchmarked methods and their runs: every method's pretrain_gpt.py flags, launched over the
+clusters' namespaces (or, unshaped, all in the first one) as one job across the clusters
+(AllReduce, and DiLoCoX with a low-rank codec) or as one job per cluster (compute-only, and
+DiLoCoX joined by a torchft Lighthouse), with progress lines and the shaped interfaces' byte counters."""
 
 import time
 from pathlib import Path
@@ -21,6 +22,13 @@ METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters)
     "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
     "allreduce": ("AllReduce", []),
 }
+
+
+def as_cluster_jobs(flags: list[str]) -> bool:
+    """DiLoCoX runs as one job per cluster, except with a low-rank codec (two exchanges per round,
+    which the Lighthouse's exchange does not run yet: docs/reliability.md)."""
+    codecs = [value for flag, value in zip(flags, flags[1:]) if flag == "--dilocox-compression"]
+    return "--dilocox" in flags and not (codecs and codecs[-1].startswith("lowrank"))  # (the last one counts)
 
 
 def with_flag(argv: list[str], flag: str, value) -> list[str]:
@@ -62,7 +70,8 @@ class Bench:
                 flags += self.cfg["compression"]
         return flags
 
-    def _launch(self, name: str, cmds: list[list[str]], metrics: list[Path], shaped: bool, iters: int) -> dict:
+    def _launch(self, name: str, cmds: list[list[str]], metrics: list[Path], shaped: bool, iters: int,
+                service: list[str] | None = None) -> dict:
         for m in metrics:
             m.unlink(missing_ok=True)
         logs = [self.out / f"{name}{'-c%d' % k if len(cmds) > 1 else ''}.log" for k in range(len(cmds))]
@@ -82,7 +91,7 @@ class Bench:
 
         start = time.monotonic()
         launch.run(cmds, logs, poll=progress, poll_s=15.0,
-                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                   env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, service=service)
         progress()  # the last iteration, also for runs shorter than one poll
         after = [netns.link_stats(self.wan.namespace(k))["tx_bytes"] for k in range(self.wan.clusters)]
         tx = [b - a for a, b in zip(before, after)]
@@ -91,11 +100,17 @@ class Bench:
               f"{'' if shaped else ' (unshaped run on loopback)'}", flush=True)
         return dict(link_tx_bytes=tx if shaped else None)
 
-    def spanning(self, method: str, iters: int, shaped: bool, tag: str, evaluate: bool = True) -> tuple[Path, dict]:
-        """One job over all clusters, through the shaped links or (unshaped) all in one namespace."""
+    def trained(self, method: str, iters: int, shaped: bool, tag: str, evaluate: bool = True) -> tuple[Path, dict]:
+        """One training run of ``method``, through the shaped links or (unshaped) all in one
+        namespace; returns its metrics file (under DiLoCoX as jobs: cluster 0's) and link counters."""
         a, name = self.args, f"{method}{tag}"
         metrics = self.out / f"{name}.jsonl"
         flags = ["pretrain_gpt.py", *self._flags(method, iters, metrics, evaluate)]
+        if as_cluster_jobs(flags):
+            namespaces = [self.wan.namespace(k if shaped else 0) for k in range(a.clusters)]
+            addresses = [self.wan.address(k) if shaped else "127.0.0.1" for k in range(a.clusters)]
+            lighthouse, cmds = launch.cluster_jobs(namespaces, addresses, a.ranks_per_cluster, flags, a.master_port)
+            return metrics, self._launch(name, cmds, [metrics], shaped, iters, service=lighthouse)
         if shaped:
             cmds = launch.spanning_job([self.wan.namespace(k) for k in range(a.clusters)], self.wan.address(0),
                                        a.ranks_per_cluster, flags, a.master_port)
@@ -121,10 +136,10 @@ class Bench:
             return dict(method=method, label=label, kind="measured", **link, **compute_only_figures(paths))
         n = self.cfg["shaped"].get(method)
         if n is None:
-            path, link = self.spanning(method, self.cfg["iters"], True, "")
+            path, link = self.trained(method, self.cfg["iters"], True, "")
             return dict(method=method, label=label, kind="measured", **link, **measured_figures(path))
-        full, _ = self.spanning(method, self.cfg["iters"], False, "-unshaped")
-        short, link = self.spanning(method, n, True, "-shaped", evaluate=False)
+        full, _ = self.trained(method, self.cfg["iters"], False, "-unshaped")
+        short, link = self.trained(method, n, True, "-shaped", evaluate=False)
         unit = 1 if method == "allreduce" else self.args.local_steps
         return dict(method=method, label=label, kind=f"projected ({n} shaped its)", **link,
                     **projected_figures(full, short, unit))

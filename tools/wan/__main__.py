@@ -3,10 +3,13 @@
     python tools/wan up --clusters 2 --rate 10mbit          # namespaces dlx-hub, dlx-c0, dlx-c1
     python tools/wan status
     python tools/wan launch --nproc-per-node 2 -- pretrain_gpt.py --dilocox ...
+    python tools/wan launch --cluster-jobs --nproc-per-node 2 -- pretrain_gpt.py --dilocox ...
     python tools/wan down
 
 ``launch`` runs one torchrun job across the clusters (cluster k = node rank k, in namespace
-dlx-c<k>, rendezvous at dlx-c0's address, gloo on the shaped interface). See docs/benchmarks.md.
+dlx-c<k>, rendezvous at dlx-c0's address, gloo on the shaped interface); with
+``--cluster-jobs``, one torchrun job per cluster at its own address and a torchft Lighthouse in
+dlx-c0 that joins them (docs/reliability.md). See docs/benchmarks.md.
 """
 
 import argparse
@@ -33,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "launch":
             p.add_argument("--nproc-per-node", type=int, required=True, help="ranks per cluster")
             p.add_argument("--master-port", type=int, default=29500)
+            p.add_argument("--cluster-jobs", action="store_true",
+                           help="one torchrun job per cluster joined by a Lighthouse (DiLoCoX only)")
+            p.add_argument("--lighthouse-port", type=int, default=29510, help="with --cluster-jobs")
             p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] run by torchrun")
     return parser
 
@@ -69,8 +75,15 @@ def main(argv=None) -> int:
             clusters = netns.status(args.prefix)
             if not clusters:
                 raise netns.WanError(f"no namespaces with prefix {args.prefix!r}; run `python tools/wan up` first")
-            launch.run(launch.spanning_job([c["namespace"] for c in clusters], clusters[0]["address"],
-                                           args.nproc_per_node, script, args.master_port))
+            namespaces = [c["namespace"] for c in clusters]
+            if args.cluster_jobs:
+                lighthouse, jobs = launch.cluster_jobs(namespaces, [c["address"] for c in clusters],
+                                                       args.nproc_per_node, script, args.master_port,
+                                                       args.lighthouse_port)
+                launch.run(jobs, service=lighthouse)
+            else:
+                launch.run(launch.spanning_job(namespaces, clusters[0]["address"], args.nproc_per_node, script,
+                                               args.master_port))
     except netns.WanError as err:
         print(f"wan: error: {err}", file=sys.stderr)
         return 1

@@ -1,9 +1,11 @@
 """Starts torchrun jobs inside cluster namespaces and stops all of them if one fails or on Ctrl-C.
 
-One job across all clusters: cluster ``k`` runs ``torchrun --nnodes C --node-rank k`` in its
-namespace, rendezvous (env/static) at cluster 0's address, and gloo binds to the shaped
-interface (``GLOO_SOCKET_IFNAME``), so every byte between clusters crosses the shaped links while
-ranks of one cluster talk over loopback.
+One job across all clusters (:func:`spanning_job`): cluster ``k`` runs ``torchrun --nnodes C
+--node-rank k`` in its namespace, rendezvous (env/static) at cluster 0's address. Or one job per
+cluster (:func:`cluster_jobs`), as ``python -m megatron_dilocox.launch`` runs them on one machine:
+each its own torchrun world at its own address, joined only by a torchft Lighthouse in cluster
+0's namespace. Either way gloo binds to the shaped interface (``GLOO_SOCKET_IFNAME``), so every
+byte between clusters crosses the shaped links while ranks of one cluster talk over loopback.
 """
 
 import os
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 
 from netns import WAN_IFNAME, WanError
+
+from megatron_dilocox.launch import cluster_command, lighthouse_command
 
 
 def torchrun_cmd(nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
@@ -33,6 +37,18 @@ def spanning_job(namespaces: list[str], master_addr: str, nproc_per_node: int, a
     """One torchrun job over all clusters: one command per cluster namespace."""
     return [in_namespace(ns, torchrun_cmd(len(namespaces), k, nproc_per_node, master_addr, master_port, argv))
             for k, ns in enumerate(namespaces)]
+
+
+def cluster_jobs(namespaces: list[str], addresses: list[str], nproc_per_node: int, argv: list[str],
+                 master_port: int = 29500, lighthouse_port: int = 29510) -> tuple[list[str], list[list[str]]]:
+    """One torchrun job per cluster (cluster k in ``namespaces[k]`` at ``addresses[k]``, its store at
+    ``master_port + k``), and the Lighthouse that joins them (in the first namespace): returns the
+    Lighthouse's command and one command per cluster. The same namespace may hold several clusters."""
+    lighthouse = f"{addresses[0]}:{lighthouse_port}"
+    jobs = [in_namespace(ns, cluster_command(argv, k, len(namespaces), nproc_per_node, lighthouse,
+                                             master_addr=address, master_port=master_port + k))
+            for k, (ns, address) in enumerate(zip(namespaces, addresses))]
+    return in_namespace(namespaces[0], lighthouse_command(lighthouse_port)), jobs
 
 
 def exit_on_sigterm() -> None:
@@ -57,7 +73,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run(cmds: list[list[str]], logs: list[Path] | None = None, poll=None, poll_s: float = 5.0,
-        env: dict | None = None) -> None:
+        env: dict | None = None, service: list[str] | None = None) -> None:
     """Runs the commands concurrently, each in its own process group, until all exit.
 
     Args:
@@ -65,11 +81,15 @@ def run(cmds: list[list[str]], logs: list[Path] | None = None, poll=None, poll_s
         logs: one file per command for its stdout and stderr; ``None`` inherits the terminal.
         poll: called every ``poll_s`` seconds while they run (progress reporting).
         env: extra environment variables.
+        service: a command started first and stopped when the others are done (the Lighthouse of
+            :func:`cluster_jobs`); it logs beside the first command's log.
 
     Raises:
         WanError: naming the first command that failed (and its log); the others are stopped.
     """
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, "RUST_LOG": "warn", **(env or {})}  # (RUST_LOG: the Lighthouse's logging)
+    if service is not None:
+        cmds, logs = [service, *cmds], logs and [logs[0].with_suffix(".lighthouse.log"), *logs]
     files = [open(log, "w") for log in logs] if logs else [None] * len(cmds)
     procs = []
     try:
@@ -83,7 +103,7 @@ def run(cmds: list[list[str]], logs: list[Path] | None = None, poll=None, poll_s
             if bad is not None:
                 where = f" (log: {logs[bad]})" if logs else ""
                 raise WanError(f"command {bad} exited with {codes[bad]}{where}: {' '.join(cmds[bad])}")
-            if all(code == 0 for code in codes):
+            if all(code == 0 for code in codes[service is not None:]):
                 return
             time.sleep(0.2)
             if poll and time.monotonic() >= next_poll:
