@@ -15,14 +15,13 @@ DATA=${DATA:-data/quickstart}
 RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
-OUTER=${OUTER:-"--outer-lr 1.0 --outer-momentum 0"}   # plain averaging: best of the tuning runs
-# Overlap policy of the DiLoCoX rows that overlap the exchange: eager (keep 1/C of the fresh
-# progress) came closest to sync's loss in the tuning runs (docs/benchmarks.md).
-OVERLAP=${OVERLAP:-eager}
-# The codec of "DiLoCoX eager+comp": 4-bit blockwise quantization (7.8x fewer bytes) with error
-# feedback; 4-bit cost no measurable loss in the tuning runs, where rank-8 low-rank factors stalled
-# training (see docs/benchmarks.md).
-CODEC=${CODEC:-"--dilocox-compression quantize --dilocox-quant-bits 4 --dilocox-error-feedback"}
+# The product's defaults unless given: outer SGD lr 1.0 without momentum, `delay` with the average
+# landing one step into the next round, topk (density 1/32, 2-bit values, error feedback) with the
+# residual flushed at the end (docs/convergence.md). E.g. OVERLAP=eager CODEC="--dilocox-compression
+# quantize --dilocox-quant-bits 4 --dilocox-error-feedback" for the setting of the 2026-11-30 runs.
+OUTER=${OUTER:-}
+OVERLAP=${OVERLAP:-delay}
+CODEC=${CODEC:-}
 OUT=${OUT:-runs/bench_vs_allreduce/$RATE}
 # Methods whose full run over the link would take too long: loss from a full unshaped run,
 # tokens/s from this many iterations over the shaped link (the table marks them "projected").
