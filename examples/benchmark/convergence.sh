@@ -5,6 +5,8 @@
 #   STUDY=pilot SEEDS=1 ITERS=700 bash examples/benchmark/convergence.sh
 #   STUDY=levers SEEDS=1 bash examples/benchmark/convergence.sh  # single settings changed from the defaults
 #   STUDY=lr SEEDS=1 bash examples/benchmark/convergence.sh      # each method's learning rate, bracketed
+#   STUDY=early SEEDS=3 bash examples/benchmark/convergence.sh   # first-round levers on blocking DiLoCo
+#   STUDY=ramp bash examples/benchmark/convergence.sh            # the acceptance comparison with an H ramp
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -19,7 +21,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -126,9 +128,23 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 300=$SYNC4 --dilocox-local-steps-ramp-iters 300"
              --method "sync fp32 inner 4e-3 warm-up 300=$SYNC4 --lr-warmup-iters 300"
              --method "sync fp32 inner 4e-3 H5=$SYNC4 --dilocox-local-steps 5") ;;
+  ramp)  # the acceptance comparison with H ramped from 1 over the first 300 iterations
+    RAMP="--dilocox-local-steps-ramp-iters 300"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 300=$DLX $D32 $RAMP"
+             --method "sync fp32 inner 4e-3 H ramp 300=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
+             --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 --dilocox-local-steps-ramp-iters 600") ;;
+  ramp-length)  # the ramp's length, one seed (ramp 300 and 600 have three in STUDY=ramp)
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 100=$DLX $D32 --dilocox-local-steps-ramp-iters 100"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 300=$DLX $D32 --dilocox-local-steps-ramp-iters 300"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 --dilocox-local-steps-ramp-iters 600") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
