@@ -31,6 +31,8 @@ HEARTBEAT_TIMEOUT_MS = 5000
 LIGHTHOUSE_SETTINGS = dict(min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=100,
                            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
 """The Lighthouse's settings (torchft's ``LighthouseServer`` keywords, ``torchft_lighthouse`` flags)."""
+TORCHFT_LOG_ENV = {"RUST_LOG": "warn"}
+"""Environment for torchft's Rust side: its Lighthouse logs every quorum request at info."""
 
 
 def _free_port() -> int:
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
     server = None
     lighthouse = args.lighthouse
     if lighthouse is None:
-        os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse logs every quorum request at info
+        for key, value in TORCHFT_LOG_ENV.items():
+            os.environ.setdefault(key, value)
         from torchft._torchft import LighthouseServer
 
         server = LighthouseServer(bind="[::]:0", **LIGHTHOUSE_SETTINGS)

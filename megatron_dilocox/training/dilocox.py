@@ -229,10 +229,10 @@ class DiLoCoX:
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         adapted = {}
-        if self.config.max_local_steps is not None and stats.bytes_sent:
-            adapted = self._adapt_local_steps(stats.comm_s, compute_s)
-        elif self.config.max_local_steps is None:
+        if self.config.max_local_steps is None:
             self.local_steps = self.config.local_steps_at(iteration)
+        elif stats.bytes_sent:
+            adapted = self._adapt_local_steps(stats.comm_s, compute_s)
         record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps, **adapted)
         self.next_boundary = iteration + self.local_steps
         if self.sync.joined_at is not None:  # sync: applied where launched; delay, eager: one round later

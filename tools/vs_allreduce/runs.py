@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import launch
+from megatron_dilocox.config import TWO_EXCHANGE_CODECS
 import netns
 from compare_runs import read_records
 from pretrain_flags import flag_value
@@ -28,7 +29,7 @@ def as_cluster_jobs(flags: list[str]) -> bool:
     """DiLoCoX runs as one job per cluster, except with a low-rank codec (two exchanges per round,
     which the Lighthouse's exchange does not run yet: docs/reliability.md)."""
     codecs = [value for flag, value in zip(flags, flags[1:]) if flag == "--dilocox-compression"]
-    return "--dilocox" in flags and not (codecs and codecs[-1].startswith("lowrank"))  # (the last one counts)
+    return "--dilocox" in flags and not (codecs and codecs[-1] in TWO_EXCHANGE_CODECS)  # (the last one counts)
 
 
 def with_flag(argv: list[str], flag: str, value) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from netns import WAN_IFNAME, WanError
 
-from megatron_dilocox.launch import cluster_command, lighthouse_command
+from megatron_dilocox.launch import TORCHFT_LOG_ENV, cluster_command, lighthouse_command
 
 
 def torchrun_cmd(nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str, master_port: int,
@@ -87,7 +87,7 @@ def run(cmds: list[list[str]], logs: list[Path] | None = None, poll=None, poll_s
     Raises:
         WanError: naming the first command that failed (and its log); the others are stopped.
     """
-    full_env = {**os.environ, "RUST_LOG": "warn", **(env or {})}  # (RUST_LOG: the Lighthouse's logging)
+    full_env = {**os.environ, **TORCHFT_LOG_ENV, **(env or {})}
     if service is not None:
         cmds, logs = [service, *cmds], logs and [logs[0].with_suffix(".lighthouse.log"), *logs]
     files = [open(log, "w") for log in logs] if logs else [None] * len(cmds)
