@@ -7,6 +7,7 @@
 #   STUDY=lr SEEDS=1 bash examples/benchmark/convergence.sh      # each method's learning rate, bracketed
 #   STUDY=early SEEDS=3 bash examples/benchmark/convergence.sh   # first-round levers on blocking DiLoCo
 #   STUDY=ramp bash examples/benchmark/convergence.sh            # the acceptance comparison with an H ramp
+#   STUDY=ramp-levers SEEDS=1 bash examples/benchmark/convergence.sh  # inner/outer lr and ramp length under ramp 600
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -21,7 +22,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -142,9 +143,19 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 100=$DLX $D32 --dilocox-local-steps-ramp-iters 100"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 300=$DLX $D32 --dilocox-local-steps-ramp-iters 300"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 --dilocox-local-steps-ramp-iters 600") ;;
+  ramp-levers)  # with the seed spread gone under ramp 600: the inner and outer lr again, and the ramp's reference
+    RAMP="--dilocox-local-steps-ramp-iters 600"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
+             --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
+             --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --dilocox-outer-lr 1.2"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 0.8=$DLX $D32 $RAMP --dilocox-outer-lr 0.8"
+             --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 1000=$DLX $D32 --dilocox-local-steps-ramp-iters 1000") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
