@@ -195,7 +195,8 @@ def to_hf(full_params: dict[str, torch.Tensor], model: ModelConfig, model_config
     before padding (the HF model gets the padded size, as our embedding has).
     The state dict loads with ``strict=True`` into ``LlamaForCausalLM`` / ``GPT2LMHeadModel``
     built from the config; when tied, ``lm_head.weight`` is the embedding tensor itself (as in
-    HF's own state dict; ``save_pretrained`` stores it once). Token ids (bos/eos/pad) are left unset: they belong to the tokenizer.
+    HF's own state dict; ``save_pretrained`` stores it once). Token ids (bos/eos/pad) are left unset: the
+    caller sets them from the tokenizer (:mod:`megatron_dilocox.checkpoint.hf_tokenizer`).
     """
     family = hf_family(model)
     heads, groups = model.num_attention_heads, model.query_groups

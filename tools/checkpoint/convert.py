@@ -6,11 +6,17 @@
 ``to-hf`` takes the global weights of a checkpoint (the latest one, or ``--iteration N``; under
 DiLoCoX: the outer parameters) and writes a ``LlamaForCausalLM`` when the run used RoPE, RMSNorm
 and SwiGLU, a ``GPT2LMHeadModel`` when it used learned positions, LayerNorm and GELU
-(``save_pretrained``, safetensors). ``--check-logits`` reloads the written folder with
-``from_pretrained`` and prints the largest logit difference to our model on random tokens.
+(``save_pretrained``, safetensors). A run with a SentencePiece tokenizer also gets it, as a
+Hugging Face tokenizer that encodes as SentencePiece does, with the model file beside it
+(``tokenizer.model``), and the model's bos/eos/pad ids from it, so that ``AutoTokenizer`` and
+``generate`` work on the folder; ``--tokenizer-model`` names the file when it has moved since
+training. ``--check-logits`` reloads the written folder with ``from_pretrained`` and prints the
+largest logit difference to our model on random tokens.
 
 ``from-hf`` writes a weights-only checkpoint at iteration 0 that ``pretrain_gpt.py --load``
-reads into any TP/PP layout; it prints the model flags the run must use.
+reads into any TP/PP layout; it prints the model flags the run must use, with
+``--tokenizer-model`` when the folder carries a SentencePiece ``tokenizer.model`` (copied into
+the checkpoint directory, its vocabulary and eos id checked against the model's config).
 """
 
 import os
@@ -82,11 +88,22 @@ def _our_logits(chunk, tokens):
         return chunk(tokens, positions, None).float()
 
 
-def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> None:
+def _run_tokenizer(manifest_args: dict, override: str | None) -> str | None:
+    """The SentencePiece model file of the run (None for NullTokenizer)."""
+    if manifest_args.get("tokenizer_type") != "SentencePieceTokenizer":
+        return None
+    path = override or manifest_args.get("tokenizer_model")
+    if not path or not os.path.isfile(path):
+        _fail(f"--tokenizer-model {path}: file not found (the run's SentencePiece model; name where it is now)")
+    return path
+
+
+def to_hf(load: str, save: str, iteration: int | None, check_logits: bool, tokenizer_model: str | None) -> None:
+    import sentencepiece as spm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_dilocox.checkpoint import files, hf
+    from megatron_dilocox.checkpoint import files, hf, hf_tokenizer
     from megatron_dilocox.checkpoint.checkpointing import load_weights
     from megatron_dilocox.run_config import ModelConfig
     from megatron_dilocox.training.model import gather_full_params
@@ -95,6 +112,10 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     manifest = files.read_manifest(folder)
     files.verify(folder, manifest, sorted(manifest["files"]))
     vocab = manifest["model"]["padded_vocab_size"]
+    sp_model = _run_tokenizer(manifest["args"], tokenizer_model)
+    sp = spm.SentencePieceProcessor(model_file=sp_model) if sp_model else None
+    if sp is not None and sp.get_piece_size() > vocab:
+        _fail(f"--tokenizer-model {sp_model}: {sp.get_piece_size()} pieces, more than the model's {vocab} embeddings")
     run = _tp1_run({f.name: manifest["args"].get(f.name) for f in dataclasses.fields(ModelConfig)}, vocab)
     family = hf.hf_family(run.model)
     _single_process_world()
@@ -102,16 +123,24 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool) -> No
     load_weights([chunk], folder)
     tied = not run.model.untie_embeddings_and_output_weights
     config, state_dict = hf.to_hf(gather_full_params([chunk], tied), run.model, model_config, vocab)
+    if sp is not None:
+        for name, token_id in hf_tokenizer.special_ids(sp).items():
+            if name != "unk_token_id":
+                setattr(config, name, token_id)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
     out = Path(save)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
+    if sp is not None:
+        hf_tokenizer.save_hf_tokenizer(sp_model, str(partial))
     if out.exists():
         shutil.rmtree(out)
     os.replace(partial, out)
     print(f"> wrote {family} model ({model.num_parameters():,} parameters) from {folder} (iteration {manifest['iteration']}) to {out}")
+    print(f"> tokenizer: {sp_model} ({sp.get_piece_size()} pieces, bos {config.bos_token_id}, eos {config.eos_token_id})"
+          if sp is not None else "> no tokenizer written: the run used NullTokenizer (token ids only)")
     if check_logits:
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         tokens = torch.randint(0, vocab, (2, min(64, run.model.seq_length)), generator=torch.Generator().manual_seed(0))
@@ -145,8 +174,37 @@ def from_hf(load: str, save: str) -> None:
             param.copy_(params[name])
     folder = save_weights([chunk], run, save, source=f"huggingface:{os.path.abspath(load)}")
     print(f"> wrote a weights-only checkpoint to {folder}")
+    tokenizer_flags = _import_tokenizer(load, save, config, vocab)
     print("> train or evaluate it with these model flags (plus your layout, data and training flags):")
-    print("  " + " ".join(model_flags) + f" --load {save}")
+    print("  " + " ".join(model_flags + tokenizer_flags) + f" --load {save}")
+
+
+def _import_tokenizer(load: str, save: str, config, vocab: int) -> list[str]:
+    """Copies the folder's SentencePiece model into ``save`` after checking it against the model's
+    config; returns the tokenizer flags for the run (none when the folder has no such file)."""
+    import sentencepiece as spm
+
+    from megatron_dilocox.checkpoint.hf_tokenizer import SENTENCEPIECE_FILE, special_ids
+
+    source = os.path.join(load, SENTENCEPIECE_FILE)
+    if not os.path.isfile(source):
+        print(f"> no {SENTENCEPIECE_FILE} in {load}: give the run a SentencePiece --tokenizer-model whose ids match "
+              f"this model's {vocab} embeddings")
+        return []
+    try:
+        sp = spm.SentencePieceProcessor(model_file=source)
+    except (OSError, RuntimeError):
+        _fail(f"--load {load}: {SENTENCEPIECE_FILE} is not a SentencePiece model")
+    if sp.get_piece_size() > vocab:
+        _fail(f"--load {load}: {SENTENCEPIECE_FILE} has {sp.get_piece_size()} pieces, the model {vocab} embeddings")
+    eos = special_ids(sp)["eos_token_id"]
+    if config.eos_token_id is not None and config.eos_token_id != eos:
+        _fail(f"--load {load}: {SENTENCEPIECE_FILE} has eos id {eos}, config.json says {config.eos_token_id}")
+    target = os.path.join(save, SENTENCEPIECE_FILE)
+    shutil.copyfile(source, target + ".partial")
+    os.replace(target + ".partial", target)
+    print(f"> tokenizer: {target} ({sp.get_piece_size()} pieces, eos {eos})")
+    return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", target]
 
 
 def main(argv=None) -> int:
@@ -157,6 +215,8 @@ def main(argv=None) -> int:
     out.add_argument("--save", required=True, help="Hugging Face output folder (replaced if it exists)")
     out.add_argument("--iteration", type=int, default=None, help="convert iter_N instead of the latest")
     out.add_argument("--check-logits", action="store_true", help="compare logits after writing")
+    out.add_argument("--tokenizer-model", default=None,
+                     help="the run's SentencePiece model, where it is now (default: the path the run recorded)")
     into = sub.add_parser("from-hf", help="Hugging Face folder -> our weights-only checkpoint")
     into.add_argument("--load", required=True, help="Hugging Face folder (config.json + weights)")
     into.add_argument("--save", required=True, help="checkpoint directory to write")
@@ -165,7 +225,7 @@ def main(argv=None) -> int:
 
     try:
         if args.direction == "to-hf":
-            to_hf(args.load, args.save, args.iteration, args.check_logits)
+            to_hf(args.load, args.save, args.iteration, args.check_logits, args.tokenizer_model)
         else:
             if not os.path.isfile(os.path.join(args.load, "config.json")):
                 _fail(f"--load {args.load}: no config.json (not a Hugging Face model folder)")
