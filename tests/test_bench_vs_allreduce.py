@@ -16,7 +16,7 @@ from test_wan import _namespaces, needs_netns
 sys.path.insert(0, str(REPO / "tools"))
 
 import bench_vs_allreduce as bench  # noqa: E402
-from vs_allreduce.runs import with_flag  # noqa: E402
+from vs_allreduce.runs import run_order, with_flag  # noqa: E402
 
 HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
 PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -43,6 +43,8 @@ def _data(ds, tmp_path) -> list[str]:
     (["--rate", "10mbit", "--out", "o", "--local-steps", "5", "--shaped-iters", "dilocox-sync=12", "--", *PRETRAIN],
      "N must be a multiple of 5"),
     (["--rate", "10mbit", "--out", "o", "--ranks-per-cluster", "0", "--", *PRETRAIN], "--ranks-per-cluster"),
+    (["--rate", "10mbit", "--out", "o", "--compute-only-repeats", "0", "--", *PRETRAIN],
+     "--compute-only-repeats must be >= 1, got 0"),
     (["--rate", "10mbit", "--out", "o", "--compression-args", "--dilocox-outer-lr 2", "--", *PRETRAIN],
      "--compression-args takes only codec flags"),
 ])
@@ -54,6 +56,16 @@ def test_argument_errors(args, message, capsys):
     assert last.startswith("bench_vs_allreduce.py: error:") and message in last, last
 
 
+def test_compute_only_runs_first_between_and_last():
+    others = ["allreduce", "dilocox-sync", "dilocox-overlap", "dilocox-overlap-compressed"]
+    a, b, c, d = others
+    assert run_order(["compute-only", *others], 3) == ["compute-only", a, b, "compute-only", c, d, "compute-only"]
+    assert run_order([*others, "compute-only"], 2) == ["compute-only", *others, "compute-only"]
+    assert run_order([a, "compute-only"], 4) == ["compute-only", "compute-only", a, "compute-only", "compute-only"]
+    assert run_order([c, "compute-only", a], 1) == [c, "compute-only", a]
+    assert run_order(others, 3) == others
+
+
 @needs_netns
 def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     """2 clusters x 1 rank at 20 Mbit, 20 iterations: AllReduce, compressed DiLoCoX and compute-only
@@ -63,10 +75,13 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
                            "--local-steps", "5", "--overlap-mode", "eager", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
                            "--methods", "compute-only,dilocox-overlap-compressed,dilocox-sync,allreduce",
-                           "--shaped-iters", "dilocox-sync=15",
+                           "--shaped-iters", "dilocox-sync=15", "--compute-only-repeats", "2",
                            "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    started = [line for line in proc.stdout.splitlines() if line.startswith("> ") and line.endswith(")")]
+    assert [line.rsplit("(", 1)[1] for line in started] == [
+        "compute-only, run 1)", "dilocox-overlap-compressed)", "dilocox-sync)", "allreduce)", "compute-only, run 2)"]
     assert _namespaces() == before
     assert "iteration 20/20" in proc.stdout  # progress while it runs
     result = json.loads((out / "results.json").read_text())
@@ -99,6 +114,10 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     assert dlx["cross_cluster_bytes"] * 10 < ar["cross_cluster_bytes"]
     assert all(dlx["cross_cluster_bytes"] <= sent for sent in dlx["link_tx_bytes"]), dlx  # through the links too
     assert max(alone["link_tx_bytes"]) < 64 * 1024 and alone["cross_cluster_bytes"] == 0
+    # compute-only's row is the slower of its two runs (the lower median), both listed.
+    assert alone["kind"] == "measured (median of 2 runs)" and len(alone["repeats"]) == 2
+    assert alone["tokens_per_s"] == min(r["tokens_per_s"] for r in alone["repeats"])
+    assert (out / "compute-only-r1-c1.jsonl").is_file()
 
 
 def _harness_processes(marker: str) -> list[str]:

@@ -16,7 +16,11 @@ uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or erro
 - ``dilocox-overlap-compressed-adaptive``: overlapped, low-rank + quantized with the adaptive rank
   (``--dilocox-adaptive``);
 - ``compute-only``: each cluster trains alone as its own torchrun job (world = its ranks, its
-  share of the global batch), all clusters at once: no cross-cluster exchange at all.
+  share of the global batch), all clusters at once: no cross-cluster exchange at all. It runs
+  ``--compute-only-repeats`` times (default 3), spread over the other methods (first, in between,
+  last), and its row is the run with the median tokens/s, so that the machine's speed drifting
+  during the benchmark cannot bias the fractions of compute-only; every run's tokens/s is in
+  ``results.json``.
 
 AllReduce runs as one torchrun job across the clusters. DiLoCoX runs as the product runs it: one
 torchrun job per cluster, joined by a torchft Lighthouse in cluster 0's namespace (``python
@@ -80,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "quantize --dilocox-quant-bits 4' (default: the product's default codec)")
     p.add_argument("--shaped-iters", action="append", default=[], metavar="METHOD=N",
                    help="loss from a full unshaped run, throughput from N iterations over the shaped link")
+    p.add_argument("--compute-only-repeats", type=int, default=3,
+                   help="runs of compute-only, spread over the other methods; its row is their median")
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
@@ -120,6 +126,8 @@ def check_args(parser, args) -> dict:
         parser.error(f"--local-steps must divide --train-iters {iters}, got {args.local_steps}")
     if gbs % args.clusters:
         parser.error(f"--global-batch-size {gbs} must be divisible by --clusters {args.clusters}")
+    if args.compute_only_repeats < 1:
+        parser.error(f"--compute-only-repeats must be >= 1, got {args.compute_only_repeats}")
     if args.eval_interval < 1 or args.eval_iters < 1:
         parser.error("--eval-interval and --eval-iters must be >= 1")
     compression = shlex.split(args.compression_args)
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
-                 overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                 overlap_mode=args.overlap_mode, compute_only_repeats=args.compute_only_repeats, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  compression_args=args.compression_args, seed=args.seed,
                  pretrain_flags=cfg["pretrain"],
                  harness_command=shlex.join([sys.executable, *sys.argv]))
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
     try:
         netns.up(wan)
         bench = Bench(args, cfg, wan)
-        results = [bench.run(m) for m in cfg["methods"]]
+        results = bench.run_all(cfg["methods"])
     except netns.WanError as err:
         print(f"bench_vs_allreduce.py: error: {err}", file=sys.stderr)
         return 1
@@ -185,8 +193,10 @@ def main(argv=None) -> int:
                   f"{args.rate} link on iterations {r['shaped_window']['first_iteration']}-"
                   f"{r['shaped_window']['last_iteration']}; train s = tokens / that rate")
     if "compute-only" in cfg["methods"]:
+        alone = next(r for r in results if r["method"] == "compute-only")
         print("compute-only: each cluster trained alone on its share of every batch; its loss is the mean of "
-              "the clusters' separate models")
+              "the clusters' separate models; tokens/s of its runs, in order: "
+              + ", ".join(f"{r['tokens_per_s']:.0f}" for r in alone["repeats"]) + " (the row: their median)")
     print("train s and tokens/s: training time (validation excluded, the last round's drain included); "
           "wall s and (of c-only): with validation")
     plots = plot(results, out, f"{args.clusters} clusters x {args.ranks_per_cluster} ranks, {args.rate} per cluster link")

@@ -32,6 +32,21 @@ def as_cluster_jobs(flags: list[str]) -> bool:
     return "--dilocox" in flags and not (codecs and codecs[-1] in TWO_EXCHANGE_CODECS)  # (the last one counts)
 
 
+def run_order(methods: list[str], compute_only_repeats: int) -> list[str]:
+    """The methods in the order given, compute-only ``compute_only_repeats`` times spread evenly
+    over them (the first and the last run among them), so that drift of the machine's speed during
+    the benchmark moves its median less than any one measurement."""
+    others = [m for m in methods if m != "compute-only"]
+    if "compute-only" not in methods or compute_only_repeats == 1:
+        return list(methods)
+    slots = [round(i * len(others) / (compute_only_repeats - 1)) for i in range(compute_only_repeats)]
+    order = []
+    for k in range(len(others) + 1):
+        order += ["compute-only"] * slots.count(k)
+        order += others[k:k + 1]
+    return order
+
+
 def with_flag(argv: list[str], flag: str, value) -> list[str]:
     """``argv`` with ``flag``'s value replaced."""
     out = list(argv)
@@ -120,20 +135,32 @@ class Bench:
                 1, 0, a.clusters * a.ranks_per_cluster, "127.0.0.1", a.master_port, flags))]
         return metrics, self._launch(name, cmds, [metrics], shaped, iters)
 
-    def compute_only(self) -> tuple[list[Path], dict]:
-        a = self.args
-        metrics = [self.out / f"compute-only-c{k}.jsonl" for k in range(a.clusters)]
+    def compute_only(self, repeat: int) -> tuple[list[Path], dict]:
+        a, name = self.args, f"compute-only-r{repeat}"
+        metrics = [self.out / f"{name}-c{k}.jsonl" for k in range(a.clusters)]
         cmds = [launch.in_namespace(self.wan.namespace(k), launch.torchrun_cmd(
             1, 0, a.ranks_per_cluster, self.wan.address(k), a.master_port,
             ["pretrain_gpt.py", *self._flags("compute-only", self.cfg["iters"], metrics[k], True)]))
             for k in range(a.clusters)]
-        return metrics, self._launch("compute-only", cmds, metrics, True, self.cfg["iters"])
+        return metrics, self._launch(name, cmds, metrics, True, self.cfg["iters"])
 
-    def run(self, method: str) -> dict:
+    def run_all(self, methods: list[str]) -> list[dict]:
+        """Every method's figures; compute-only's are those of its median run by tokens/s (of
+        ``--compute-only-repeats``), with every run's throughput beside them."""
+        results, alone = [], []
+        for method in run_order(methods, self.args.compute_only_repeats):
+            (alone if method == "compute-only" else results).append(self.run(method, repeat=len(alone)))
+        if alone:
+            median = sorted(alone, key=lambda r: r["tokens_per_s"])[(len(alone) - 1) // 2]
+            results.append(dict(median, kind=f"measured (median of {len(alone)} runs)" if len(alone) > 1 else "measured",
+                                repeats=[dict(tokens_per_s=r["tokens_per_s"], train_s=r["train_s"]) for r in alone]))
+        return results
+
+    def run(self, method: str, repeat: int = 0) -> dict:
         label = METHODS[method][0].format(overlap=self.args.overlap_mode)
-        print(f"> {label} ({method})", flush=True)
+        print(f"> {label} ({method}{f', run {repeat + 1}' if method == 'compute-only' else ''})", flush=True)
         if method == "compute-only":
-            paths, link = self.compute_only()
+            paths, link = self.compute_only(repeat)
             return dict(method=method, label=label, kind="measured", **link, **compute_only_figures(paths))
         n = self.cfg["shaped"].get(method)
         if n is None:
