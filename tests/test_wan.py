@@ -2,12 +2,13 @@
 exactly its own namespaces, links and qdiscs, also when setup fails half-way."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, read_jsonl, worker_env
 
 sys.path.insert(0, str(REPO / "tools" / "wan"))
 
@@ -124,3 +125,45 @@ def test_failed_setup_removes_what_it_made(monkeypatch):
     with pytest.raises(netns.WanError, match="injected"):
         netns.up(netns.Wan(prefix, 2, "10mbit"))
     assert f"{prefix}-c0" in calls and _namespaces() == before
+
+
+@needs_netns
+def test_a_cluster_restarted_in_its_namespace_heals_over_the_link(tmp_path):
+    """2 single-rank clusters as jobs in their own namespaces (``launch --cluster-jobs
+    --max-restarts 1``); cluster 1's worker is killed after iteration 10 and torchrun restarts it.
+    It must fetch the running state from cluster 0 at cluster 0's namespace address (the host's
+    name resolves to no address of the other namespace), join, and end with cluster 0's
+    validation losses."""
+    from test_cluster_jobs import MODEL
+
+    from tools.fault_soak import cluster_workers
+
+    prefix = f"h{os.getpid() % 10**6}"
+    assert _wan("up", "--clusters", "2", "--rate", "100mbit", "--prefix", prefix).returncode == 0
+    metrics = tmp_path / "m.jsonl"
+    flags = MODEL + ["--train-iters", "60", "--eval-interval", "30", "--dilocox-sync-mode", "sync",
+                     "--dilocox-compression", "none", "--dilocox-failure-timeout-s", "30",
+                     "--dilocox-emulated-delay-s", "1.5", "--metrics-file", str(metrics)]
+    try:
+        jobs = subprocess.Popen([*WAN, "launch", "--prefix", prefix, "--cluster-jobs", "--max-restarts", "1",
+                                 "--nproc-per-node", "1", "--master-port", "29620", "--lighthouse-port", "29630",
+                                 "--", "pretrain_gpt.py", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=worker_env())
+        killed, lines = None, []
+        for line in jobs.stdout:
+            lines.append(line)
+            restarted = metrics.with_name("m.cluster-1.jsonl")
+            if killed is None and "iteration       10/" in line and restarted.is_file() and any(
+                    r.get("iteration", 0) >= 10 for r in read_jsonl(restarted) if "lm_loss" in r):
+                workers = cluster_workers(1)
+                workers[0].send_signal(signal.SIGKILL)
+                killed = len(workers)
+        jobs.wait(timeout=60)
+    finally:
+        _wan("down", "--prefix", prefix)
+    out = "".join(lines)
+    assert killed == 1 and jobs.returncode == 0, out[-6000:]
+    assert out.count("joined the running clusters") == 1, out[-6000:]
+    vals = [[(r["iteration"], r["val_loss"]) for r in read_jsonl(path) if "val_loss" in r]
+            for path in (metrics, metrics.with_name("m.cluster-1.jsonl"))]
+    assert vals[0] == vals[1] and [it for it, _ in vals[0]] == [30, 60], vals

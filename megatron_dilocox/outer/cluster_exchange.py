@@ -114,6 +114,16 @@ class ClusterExchange:
     def __init__(self, config: ExchangeConfig, clusters: int, *, rank: int, world_size: int, store_addr: str, store_port: int,
                  state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]):
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing import HTTPTransport
+
+        class AdvertisedHTTPTransport(HTTPTransport):
+            """torchft's checkpoint server (listening on every interface), advertised at the
+            cluster's store address instead of the host's name, which may not resolve to an
+            address the other clusters reach (in tools/wan's namespaces it is the loopback)."""
+
+            def address(self) -> str:
+                host = f"[{store_addr}]" if ":" in store_addr else store_addr
+                return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
         try:
             config.validate(clusters)
@@ -132,6 +142,7 @@ class ClusterExchange:
             replica_id=f"c{config.cluster_index:05d}",  # torchft orders members by this string
             rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
             hostname=store_addr,  # where the other clusters reach this one (the host's name may not resolve there)
+            checkpoint_transport=AdvertisedHTTPTransport(timeout=timeout, num_chunks=0),
             lighthouse_addr=config.lighthouse_url, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout)
         self._started = time.monotonic()

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--cluster-jobs", action="store_true",
                            help="one torchrun job per cluster joined by a Lighthouse (DiLoCoX only)")
             p.add_argument("--lighthouse-port", type=int, default=29510, help="with --cluster-jobs")
+            p.add_argument("--max-restarts", type=int, default=0,
+                           help="with --cluster-jobs: torchrun restarts a failed cluster's job this often; "
+                                "the restarted cluster rejoins from a live peer")
             p.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] run by torchrun")
     return parser
 
@@ -53,6 +56,10 @@ def main(argv=None) -> int:
             parser.error("launch: give the training script and its flags after --")
         if args.nproc_per_node < 1:
             parser.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        if args.max_restarts and not args.cluster_jobs:
+            parser.error("--max-restarts needs --cluster-jobs (a job across the clusters restarts as a whole)")
+        if args.max_restarts < 0:
+            parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     try:
         netns.check_prefix(args.prefix)
         wan = netns.Wan(args.prefix, args.clusters, args.rate, args.subnet) if args.command == "up" else None
@@ -79,7 +86,7 @@ def main(argv=None) -> int:
             if args.cluster_jobs:
                 lighthouse, jobs = launch.cluster_jobs(namespaces, [c["address"] for c in clusters],
                                                        args.nproc_per_node, script, args.master_port,
-                                                       args.lighthouse_port)
+                                                       args.lighthouse_port, args.max_restarts)
                 launch.run(jobs, service=lighthouse)
             else:
                 launch.run(launch.spanning_job(namespaces, clusters[0]["address"], args.nproc_per_node, script,

@@ -40,12 +40,14 @@ def spanning_job(namespaces: list[str], master_addr: str, nproc_per_node: int, a
 
 
 def cluster_jobs(namespaces: list[str], addresses: list[str], nproc_per_node: int, argv: list[str],
-                 master_port: int = 29500, lighthouse_port: int = 29510) -> tuple[list[str], list[list[str]]]:
+                 master_port: int = 29500, lighthouse_port: int = 29510,
+                 max_restarts: int = 0) -> tuple[list[str], list[list[str]]]:
     """One torchrun job per cluster (cluster k in ``namespaces[k]`` at ``addresses[k]``, its store at
-    ``master_port + k``), and the Lighthouse that joins them (in the first namespace): returns the
-    Lighthouse's command and one command per cluster. The same namespace may hold several clusters."""
+    ``master_port + k``, restarted by torchrun up to ``max_restarts`` times), and the Lighthouse that
+    joins them (in the first namespace): returns the Lighthouse's command and one command per
+    cluster. The same namespace may hold several clusters."""
     lighthouse = f"{addresses[0]}:{lighthouse_port}"
-    jobs = [in_namespace(ns, cluster_command(argv, k, len(namespaces), nproc_per_node, lighthouse,
+    jobs = [in_namespace(ns, cluster_command(argv, k, len(namespaces), nproc_per_node, lighthouse, max_restarts,
                                              master_addr=address, master_port=master_port + k))
             for k, (ns, address) in enumerate(zip(namespaces, addresses))]
     return in_namespace(namespaces[0], lighthouse_command(lighthouse_port)), jobs
