@@ -8,6 +8,7 @@
 #   STUDY=early SEEDS=3 bash examples/benchmark/convergence.sh   # first-round levers on blocking DiLoCo
 #   STUDY=ramp bash examples/benchmark/convergence.sh            # the acceptance comparison with an H ramp
 #   STUDY=ramp-levers SEEDS=1 bash examples/benchmark/convergence.sh  # inner/outer lr and ramp length under ramp 600
+#   STUDY=clusters CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -31,6 +32,7 @@ EVAL=$((350 * 32 / GBS))               # validation every 1.43M tokens
 LAYERS=${LAYERS:-3}
 HIDDEN=${HIDDEN:-128}
 CLUSTERS=${CLUSTERS:-2}
+MBS=$((GBS / CLUSTERS < 16 ? GBS / CLUSTERS : 16))  # one micro-batch per rank and step at C = 2 and 4
 
 if [ ! -f "$DATA/corpus_text_document.idx" ]; then
   echo "> building the large corpus, tokenizer and dataset in $DATA"
@@ -44,7 +46,7 @@ fi
 
 SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 --seq-length 128
          --max-position-embeddings 128 --hidden-dropout 0 --attention-dropout 0
-         --micro-batch-size 16 --global-batch-size "$GBS" --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4
+         --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" --lr 2e-3 --min-lr 2e-4
          --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0
          --adam-beta1 0.9 --adam-beta2 0.99
          --data-path "$DATA/corpus_text_document" --tokenizer-type SentencePieceTokenizer
@@ -152,10 +154,18 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --dilocox-outer-lr 1.2"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 0.8=$DLX $D32 $RAMP --dilocox-outer-lr 0.8"
              --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 1000=$DLX $D32 --dilocox-local-steps-ramp-iters 1000") ;;
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 1000=$DLX $D32 --dilocox-local-steps-ramp-iters 1000"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
+             --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-outer-lr 1.2") ;;
+  clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
+    RAMP="--dilocox-local-steps-ramp-iters 600"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
+             --compare "sync fp32 inner 4e-3 H ramp 600"
+             --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
