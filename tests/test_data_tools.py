@@ -24,6 +24,8 @@ from megatron_dilocox.data.corpus import (  # noqa: E402
     MIN_DOC_CHARS,
     SOURCES,
     build_corpus,
+    corpus_distributions,
+    distribution_mismatches,
     iter_documents,
 )
 from megatron_dilocox.data.tokenizer import (  # noqa: E402
@@ -128,6 +130,13 @@ def _fake_install(root):
         "site/pkg/copy_of_alpha.py": alpha,
         "site/__pycache__/cached.py": f"# Cache. {_PROSE}\n",
         "site/__editable___pkg_finder.py": f"MAPPING = {{'pkg': '/abs/checkout'}}  # {_PROSE}\n",
+        # Installed distributions: numpy is in the corpus list (at another version here), extra is not.
+        "site/numpy/listed.py": f"# Listed. {_PROSE}\n",
+        "site/numpy-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: numpy\nVersion: 0.0.1\n",
+        "site/numpy-0.0.1.dist-info/RECORD": "numpy/listed.py,,\nnumpy-0.0.1.dist-info/METADATA,,\n",
+        "site/extra/unlisted.py": f"# Unlisted. {_PROSE}\n",
+        "site/Extra_Pkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: Extra_Pkg\nVersion: 1.0\n",
+        "site/Extra_Pkg-1.0.dist-info/RECORD": "extra/unlisted.py,,\nExtra_Pkg-1.0.dist-info/METADATA,,\n",
     }
     for rel, text in files.items():
         path = root / rel
@@ -160,11 +169,20 @@ def test_each_source_reads_its_places(tmp_path):
         "# -*- coding: latin-1 -*-",
     ]
     assert docs["stdlib"][-1] == f'# -*- coding: latin-1 -*-\n"""Café. {_PROSE}"""'
-    # Only pkg/mod.py is new: the copy of alpha.py is a duplicate, __init__.py is too short,
-    # and caches and editable-install finders are not read.
+    # New: numpy's file (a listed distribution) and pkg/mod.py (no distribution's); the copy of
+    # alpha.py is a duplicate, __init__.py is too short, and caches, editable-install finders and
+    # the files of distributions not in the corpus list are not read.
     assert docs["stdlib+site-packages"][len(docs["stdlib"]) :] == [
-        f"# Copyright header, kept: {_PROSE}\ndef f():\n    return 1"
+        f"# Listed. {_PROSE}".strip(), f"# Copyright header, kept: {_PROSE}\ndef f():\n    return 1"
     ]
+    assert "Unlisted." not in "".join(docs["stdlib+site-packages"])
+    mismatches = distribution_mismatches([str(tmp_path / "install" / "site")])
+    assert f"numpy: installed 0.0.1, the corpus list says {corpus_distributions()['numpy']}" in mismatches
+    assert f"torch: installed nothing, the corpus list says {corpus_distributions()['torch']}" in mismatches
+    assert not any(m.startswith("extra-pkg") for m in mismatches)
+    # The pinned environment (constraints-cpu.txt) holds the list's versions: a bump there changes
+    # the corpus, and the list (and docs/data.md's figures) must follow.
+    assert distribution_mismatches() == []
     everything = "".join(docs["stdlib+site-packages"])
     assert "skipped" not in everything and "Not the stdlib" not in everything
     assert "Cache." not in everything and "/abs/checkout" not in everything

@@ -9,7 +9,9 @@ Example::
 ``--source`` picks how much of the installation is read (see
 ``megatron_dilocox.data.corpus``): ``stdlib-docs`` (the default, the standard
 library's prose), ``stdlib`` (plus its Python source) or ``stdlib+site-packages``
-(plus the installed packages' Python source).
+(plus the installed packages' Python source: of the installed distributions, those listed in
+``megatron_dilocox/data/corpus_distributions.txt``; a warning names each listed one installed at
+another version, since the corpus then differs from the one docs/data.md describes).
 """
 
 import argparse
@@ -21,7 +23,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dilocox.data.corpus import SOURCES, build_corpus  # noqa: E402
+from megatron_dilocox.data.corpus import SOURCES, build_corpus, distribution_mismatches  # noqa: E402
 
 PROGRESS_EVERY_S = 5.0
 """Seconds between two progress lines on stderr."""
@@ -90,6 +92,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             tokenizer = SentencePieceTokenizer(args.count_tokens)
         except ValueError as e:
             parser.error(f"--count-tokens: {e}")
+    if args.source == "stdlib+site-packages":
+        for mismatch in distribution_mismatches():
+            print(f"WARNING: make_corpus.py: {mismatch}: the corpus will differ from the pinned one",
+                  file=sys.stderr, flush=True)
     start = time.time()
     docs = build_corpus(args.output, args.source, args.max_docs, progress=_progress("writing"),
                         shuffle_seed=args.shuffle_seed)

@@ -9,23 +9,27 @@ prefix of the next one's:
   document per source file (or per pydoc topic).
 - ``stdlib``: plus the standard library's Python source files, whole, one document each.
 - ``stdlib+site-packages``: plus the ``.py`` files of the installed packages
-  (``sysconfig``'s purelib/platlib directories), whole, one document each.
+  (``sysconfig``'s purelib/platlib directories), whole, one document each; of the installed
+  distributions only those named in ``corpus_distributions.txt`` are read (files that belong to
+  no distribution are read too), so that a newly added dependency leaves the corpus as it is.
 
 Files are visited in sorted path order, Python files are decoded as the interpreter
 decodes them (PEP 263 cookies, universal newlines) and the output is UTF-8 with ``\\n``
 line ends, so the same Python version and the same installed packages give a
 byte-identical corpus. The two stdlib sources depend only on the Python version; the
-site-packages part depends on every installed package's version (requirements-cpu.txt
-pins the direct dependencies only, so ``pip freeze`` is what fixes it). Exact duplicate documents
+site-packages part depends on the listed distributions' versions (constraints-cpu.txt pins
+them; :func:`distribution_mismatches` names those installed at other versions). Exact duplicate documents
 are written once, so no document can land on both sides of megatron's document-level
 train/validation split.
 """
 
 import ast
 import hashlib
+import importlib.metadata
 import json
 import os
 import random
+import re
 import sysconfig
 import tokenize
 from itertools import chain, islice
@@ -62,6 +66,7 @@ _SKIP_DIRS = frozenset(
         "turtledemo",
     }
 )
+_DISTRIBUTIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus_distributions.txt")
 _SUFFIXES = (".py", ".txt", ".rst")
 _PREFIXES = ("LICENSE", "README")
 _PYDOC_TOPICS = "pydoc_data/topics.py"
@@ -179,12 +184,47 @@ def _prose_documents(root: str) -> Iterator[str]:
         yield from _file_documents(os.path.join(root, rel_path), rel_path)
 
 
-def _code_documents(root: str, skip_dirs: Collection[str]) -> Iterator[str]:
-    """Yields the Python files under ``root`` whole (those within the limits)."""
+def _code_documents(root: str, skip_dirs: Collection[str], skip_files: Collection[str] = ()) -> Iterator[str]:
+    """Yields the Python files under ``root`` whole (those within the limits), but ``skip_files``
+    (POSIX paths relative to ``root``)."""
     for rel_path in _source_files(root, skip_dirs, _is_code_file):
+        if rel_path in skip_files:
+            continue
         text = _whole_source(os.path.join(root, rel_path))
         if text is not None:
             yield text
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def corpus_distributions() -> dict:
+    """The distributions the site-packages part reads: {normalized name: pinned version}."""
+    with open(_DISTRIBUTIONS_FILE, encoding="utf-8") as f:
+        pins = [line.strip().split("==") for line in f if line.strip() and not line.startswith("#")]
+    return {_normalized(name): version for name, version in pins}
+
+
+def _installed(site: str) -> List[importlib.metadata.Distribution]:
+    return list(importlib.metadata.distributions(path=[site]))
+
+
+def _unlisted_files(site: str) -> Set[str]:
+    """Files under ``site`` that belong to installed distributions not in the corpus list."""
+    listed = corpus_distributions()
+    return {os.path.normpath(str(f)).replace(os.sep, "/") for d in _installed(site)
+            if _normalized(d.metadata["Name"]) not in listed for f in d.files or ()}
+
+
+def distribution_mismatches(site_dirs: Optional[Sequence[str]] = None) -> List[str]:
+    """The listed distributions installed at another version than the pinned corpus read, or
+    missing: one line each ("name: installed X, the corpus list says Y")."""
+    listed, found = corpus_distributions(), {}
+    for site in site_packages_dirs() if site_dirs is None else site_dirs:
+        found.update({_normalized(d.metadata["Name"]): d.version for d in _installed(site)})
+    return [f"{name}: installed {found.get(name, 'nothing')}, the corpus list says {version}"
+            for name, version in sorted(listed.items()) if found.get(name) != version]
 
 
 def site_packages_dirs() -> List[str]:
@@ -222,7 +262,7 @@ def iter_documents(
         parts.append(_code_documents(root, _SKIP_DIRS))
     if source == "stdlib+site-packages":
         dirs = site_packages_dirs() if site_dirs is None else site_dirs
-        parts.extend(_code_documents(site, {"__pycache__"}) for site in dirs)
+        parts.extend(_code_documents(site, {"__pycache__"}, _unlisted_files(site)) for site in dirs)
     return _distinct(chain.from_iterable(parts))
 
 
