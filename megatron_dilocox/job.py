@@ -145,7 +145,8 @@ def setup(run: RunConfig):
         link = connect_clusters(exchange, outer.clusters, topo, audit) if cluster_job is not None else None
         dilocox = DiLoCoX(optimizer, topo, outer, run.compression, seed, audit, link)
     is_writer = dist.get_rank() == dist.get_world_size() - 1
-    logger = MetricsLogger(run.logging, run.training.train_iters, is_writer, settings=run.flat())
+    logger = MetricsLogger(run.logging, run.training.train_iters, run.training.global_batch_size, is_writer,
+                           settings=run.flat())
     save_checkpoint = partial(checkpointing.save, run, topo) if run.checkpoint.save else None
     trainer = Trainer(run, topo, model, optimizer, scheduler, train_data, valid_data, logger, dilocox, audit,
                       save_checkpoint)

@@ -85,3 +85,13 @@ def run_forked(scenarios, out: Path, timeout: float = 120):
     if errors or codes != [0, 0]:
         pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar that TensorBoard's own event reader finds in ``folder``: {tag: [(step, value), ...]}
+    in the order written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -39,7 +39,7 @@ def replica(args, topo, tokenizer, train, valid, shard, clusters):
     model = wrap_ddp(chunks, config, topo, use_distributed_optimizer=False)
     optimizer, scheduler = build_optimizer(args, model, config, topo)
     trainer = Trainer(args, topo, model, optimizer, scheduler, train, valid,
-                      MetricsLogger(args.logging, args.training.train_iters, False))
+                      MetricsLogger(args.logging, args.training.train_iters, args.training.global_batch_size, False))
     trainer.train_batches = MicroBatches(train, args.training.global_batch_size, args.training.micro_batch_size,
                                          clusters, shard)
     return trainer

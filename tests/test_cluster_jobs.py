@@ -9,8 +9,9 @@ import threading
 import time
 
 import psutil
+import pytest
 
-from launch import REPO, read_jsonl, torchrun, worker_env
+from launch import REPO, read_jsonl, read_tensorboard, torchrun, worker_env
 
 from megatron_dilocox.payload import HANDSHAKE_BYTES
 from tools.fault_soak import cluster_workers
@@ -42,7 +43,7 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     jobs = launch(2, 2, flags + ["--metrics-file", str(tmp_path / "jobs.jsonl")])
     out, _ = jobs.communicate(timeout=900)
     assert jobs.returncode == 0, out[-6000:]
-    torchrun(4, REPO / "pretrain_gpt.py", flags + ["--dilocox-clusters", "2",
+    torchrun(4, REPO / "pretrain_gpt.py", flags + ["--dilocox-clusters", "2", "--tensorboard-dir", str(tmp_path / "tb"),
                                                    "--metrics-file", str(tmp_path / "world.jsonl")], timeout=900)
     world = read_jsonl(tmp_path / "world.jsonl")  # written by the world's last rank: cluster 1's last stage
     cluster1 = read_jsonl(tmp_path / "jobs.cluster-1.jsonl")
@@ -60,6 +61,10 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     assert any(r.get("bytes_sent") for r in world) and any("val_loss" in r for r in world)
     assert [r["val_loss"] for r in cluster0 if "val_loss" in r] == [r["val_loss"] for r in world if "val_loss" in r]
     assert "cross-cluster bytes between boundaries: 0 |" in out
+    # TensorBoard gets every round's fields under "dilocox/" (the drain's too), as the metrics file has them.
+    board, rounds = read_tensorboard(tmp_path / "tb"), [r for r in world if "outer_step" in r]
+    for key in ("bytes_sent", "pseudo_grad_norm", "outer_step", "participants"):
+        assert board[f"dilocox/{key}"] == [(r["iteration"], pytest.approx(r[key], rel=1e-6)) for r in rounds], key
 
 
 def follow(jobs, kills):

@@ -1,10 +1,11 @@
-"""A 4-process TP2/PP2 run on a dataset made with the tools learns, and its metrics file is JSON lines."""
+"""A 4-process TP2/PP2 run on a dataset made with the tools learns, its metrics file is JSON lines,
+and TensorBoard gets the same numbers under Megatron-LM's tags."""
 
 import math
 
 import pytest
 
-from launch import REPO, read_jsonl, torchrun
+from launch import REPO, read_jsonl, read_tensorboard, torchrun
 
 
 def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
@@ -16,7 +17,8 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model", str(tiny_dataset / "sp.model"),
         "--data-cache-path", str(tmp_path / "cache"), "--split", "95,5,0",
-        "--log-interval", "20", "--eval-interval", "20", "--eval-iters", "4", "--metrics-file", str(metrics)])
+        "--log-interval", "20", "--eval-interval", "20", "--eval-iters", "4", "--metrics-file", str(metrics),
+        "--tensorboard-dir", str(tmp_path / "tb")])
     records = read_jsonl(metrics)
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -35,3 +37,15 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
     # An untrained model scores about ln(vocab) = ln(400) = 6.0; most of the drop comes early.
     val = [r["val_loss"] for r in evals]
     assert val[-1] < math.log(400) - 1.5 and val[-1] < val[0] - 0.15, val
+    # TensorBoard, read back with its own event reader: every number of the metrics file under
+    # Megatron-LM's tag (float32 there), also against the samples consumed where Megatron-LM has it.
+    board = read_tensorboard(tmp_path / "tb")
+    for key, tag, records in (("lm_loss", "lm loss", train), ("lr", "learning-rate", train),
+                              ("grad_norm", "grad-norm", train), ("val_loss", "lm loss validation", evals),
+                              ("val_ppl", "lm loss validation ppl", evals)):
+        expected = [(r["iteration"], pytest.approx(r[key], rel=1e-6)) for r in records]
+        assert board[tag] == expected, tag
+        assert board[f"{tag} vs samples"] == [(16 * step, value) for step, value in expected], tag
+    assert board["batch-size"] == [(r["iteration"], 16) for r in train]
+    assert [step for step, _ in board["iteration-time"]] == [r["iteration"] for r in train]
+    assert board["tokens_per_sec"] == [(r["iteration"], pytest.approx(r["tokens_per_sec"], rel=1e-6)) for r in train]

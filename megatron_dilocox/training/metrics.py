@@ -13,6 +13,17 @@ from megatron_dilocox.run_config import LoggingConfig
 from megatron_dilocox.training.round_record import OuterRound
 
 
+# TensorBoard and W&B tags: Megatron-LM's names (its training.py) for what both log, so that
+# dashboards built on Megatron-LM runs read ours; other fields keep their metrics-file names,
+# DiLoCoX's round fields under "dilocox/".
+MEGATRON_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
+                 "global_batch_size": "batch-size", "iteration_time_s": "iteration-time",
+                 "val_loss": "lm loss validation", "val_ppl": "lm loss validation ppl"}
+VS_SAMPLES = ("lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation",
+              "lm loss validation ppl")
+"""Tags TensorBoard also gets against the samples consumed ("<tag> vs samples"), as Megatron-LM writes them."""
+
+
 def _timestamp():
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
@@ -20,10 +31,12 @@ def _timestamp():
 class MetricsLogger:
     """Writes what the training loop reports, on the writing rank only."""
 
-    def __init__(self, logging: LoggingConfig, train_iters: int, is_writer: bool, settings: dict | None = None):
+    def __init__(self, logging: LoggingConfig, train_iters: int, global_batch_size: int, is_writer: bool,
+                 settings: dict | None = None):
         """``settings``: the run's flags, kept with a W&B run."""
         self.is_writer = is_writer
         self.train_iters = train_iters
+        self.global_batch_size = global_batch_size
         self.metrics_file = None
         self.tensorboard = None
         self.wandb = None
@@ -50,14 +63,23 @@ class MetricsLogger:
         if self.is_writer:
             print(message, flush=True)
 
-    def _record(self, record: dict) -> None:
+    def _record(self, record: dict, prefix: str = "", board: dict | None = None) -> None:
+        """Writes ``record`` to the metrics file and its numbers to TensorBoard and W&B (tags:
+        :data:`MEGATRON_TAGS`, else ``prefix`` + the key), with ``board``'s scalars too."""
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
+        if not (self.tensorboard or self.wandb):
+            return
         step = record["iteration"]
-        scalars = {k: v for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))}
+        fields = {**record, **(board or {})}
+        scalars = {MEGATRON_TAGS.get(key, prefix + key): value for key, value in fields.items()
+                   if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self.tensorboard:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, step)
+            samples = step * self.global_batch_size  # Megatron-LM's consumed_train_samples
+            for tag, value in scalars.items():
+                self.tensorboard.add_scalar(tag, value, step)
+                if tag in VS_SAMPLES:
+                    self.tensorboard.add_scalar(f"{tag} vs samples", value, samples)
         if self.wandb:
             self.wandb.log(scalars, step=step)
 
@@ -77,7 +99,7 @@ class MetricsLogger:
                       tokens=tokens, tokens_per_sec=tokens_per_sec, elapsed_s=elapsed_s, train_s=train_s)
         if cross_cluster_bytes is not None:
             record["cross_cluster_bytes"] = cross_cluster_bytes
-        self._record(record)
+        self._record(record, board={"global_batch_size": global_batch_size, "iteration_time_s": ms_per_iter / 1000.0})
 
     def evaluation(self, iteration, val_loss, eval_s, val_loss_se, batches, label="validation"):
         """``val_loss_se``: standard error of ``val_loss`` over its ``batches`` batches (nan for one)."""
@@ -106,7 +128,7 @@ class MetricsLogger:
                f" rel. error: {c.rel_error:.3f} | mean rank: {c.mean_rank:.2f} | codec (s): {c.codec_s:.3f} |"
                if c is not None else "")
             + (" SKIPPED (non-finite) |" if r.skipped else ""))
-        self._record(r.metrics())
+        self._record(r.metrics(), prefix="dilocox/")
 
     def close(self):
         if self.metrics_file:
