@@ -57,6 +57,28 @@ def _dilocox_args(parser):
     flags.add_flags(g, ExchangeConfig, "dilocox")
 
 
+# Megatron-LM flags of its GPT launch scripts that this trainer does not implement: refused by
+# name, with what to use instead, rather than as unrecognized (tests/test_megatron_flags.py).
+_GPT2_BPE = ("GPT-2 BPE tokenizers are not supported; preprocess the data with a SentencePiece model "
+             "and pass --tokenizer-model")
+NOT_SUPPORTED = {
+    "--fp16": "fp16 with loss scaling is not implemented; train in --bf16",
+    "--rampup-batch-size": "a global batch that grows during training is not implemented",
+    "--vocab-file": _GPT2_BPE,
+    "--merge-file": _GPT2_BPE,
+}
+
+
+def _refuse(parser: argparse.ArgumentParser, unknown: list[str]):
+    """Names the first Megatron-LM flag of ``unknown`` that is not supported, else lets argparse
+    report them all as unrecognized."""
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if name in NOT_SUPPORTED:
+            raise ConfigError(f"{name} is a Megatron-LM flag not supported here: {NOT_SUPPORTED[name]}")
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
@@ -134,7 +156,10 @@ def _dilocox_configs(args, sections: dict):
 
 def parse_args(argv=None) -> RunConfig:
     """Parses and checks flags. Raises ConfigError on a bad combination."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse(parser, unknown)
     sections = {name: flags.from_args(cls, args, None) for name, cls in SECTIONS.items()}
     vpp = _check_parallel(sections["model"], sections["parallel"])
     outer, compression, exchange = _dilocox_configs(args, sections)

@@ -53,10 +53,10 @@ def build_optimizer(run: RunConfig, model, config, topo):
     ), model, use_gloo_process_groups=False, pg_collection=topo.pg_collection)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if training.lr_warmup_iters else training.lr,
+        init_lr=0.0 if training.lr_warmup_steps else training.lr,
         max_lr=training.lr,
         min_lr=training.min_lr,
-        lr_warmup_steps=training.lr_warmup_iters,
+        lr_warmup_steps=training.lr_warmup_steps,
         lr_decay_steps=training.lr_decay_iters,
         lr_decay_style=training.lr_decay_style,
         start_wd=training.weight_decay,

@@ -75,6 +75,10 @@ class ModelConfig:
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
 
+    attention_backend: str = field(default="auto", metadata={"choices": ("auto", "local", "unfused")})
+    """Megatron-LM's attention backend; each choice here is megatron-core's own attention (flash and
+    fused need Transformer Engine, which this build does not use)."""
+
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this (and of the TP size)."""
 
@@ -167,6 +171,9 @@ class TrainingConfig:
     lr_warmup_iters: int = 0
     """Linear warmup iterations."""
 
+    lr_warmup_fraction: float | None = None
+    """Linear warmup over this fraction of --lr-decay-iters, instead of --lr-warmup-iters."""
+
     weight_decay: float = 0.01
     """AdamW weight decay."""
 
@@ -204,9 +211,20 @@ class TrainingConfig:
         require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
-        require(self.lr_decay_iters > self.lr_warmup_iters or self.lr_decay_style == "constant",
-                f"--lr-decay-iters {self.lr_decay_iters} must exceed --lr-warmup-iters {self.lr_warmup_iters}")
+        if self.lr_warmup_fraction is not None:
+            require(0 <= self.lr_warmup_fraction < 1,
+                    f"--lr-warmup-fraction must be in [0, 1), got {self.lr_warmup_fraction}")
+            require(self.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters exclude each other")
+        require(self.lr_decay_iters > self.lr_warmup_steps or self.lr_decay_style == "constant",
+                f"--lr-decay-iters {self.lr_decay_iters} must exceed the warmup ({self.lr_warmup_steps:g} iterations)")
         require(self.clip_grad >= 0, f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+    @property
+    def lr_warmup_steps(self) -> float:
+        """Warmup length in iterations; a fraction of the decay iterations need not be whole, as in Megatron-LM."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.lr_decay_iters
+        return self.lr_warmup_iters
 
 
 @dataclass(kw_only=True)
@@ -310,7 +328,8 @@ class CheckpointConfig:
 
     load: str | None = None
     """Resume from the latest checkpoint in this directory: exactly with the same layout, from the
-    (resharded) weights with another TP/PP/cluster layout. A directory with no checkpoint yet:
+    (resharded) weights with another TP/PP/cluster layout. A directory with no checkpoint yet, or
+    the --save directory before it exists (Megatron-LM's --save DIR --load DIR on a first launch):
     start from scratch, with a warning."""
 
     exit_interval: int | None = None
@@ -330,7 +349,8 @@ class CheckpointConfig:
         require(self.most_recent_k == -1 or self.most_recent_k >= 1,
                 f"--most-recent-k must be >= 1 (or -1: keep all), got {self.most_recent_k}")
         if self.load is not None:
-            require(os.path.isdir(self.load), f"--load: no such directory: {self.load}")
+            first_launch = self.save is not None and os.path.abspath(self.load) == os.path.abspath(self.save)
+            require(os.path.isdir(self.load) or first_launch, f"--load: no such directory: {self.load}")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,

@@ -201,7 +201,7 @@ def prune(root, keep: int) -> list[Path]:
 def has_checkpoint(root) -> bool:
     """Whether ``root`` holds a tracker or a published checkpoint folder (else: nothing saved yet)."""
     root = Path(root)
-    return (root / TRACKER).exists() or bool(_published(root))
+    return (root / TRACKER).exists() or (root.is_dir() and bool(_published(root)))
 
 
 def _lock_owner(path: Path) -> dict:

@@ -14,6 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -39,6 +40,7 @@ def transformer_config(run: RunConfig) -> TransformerConfig:
         ffn_hidden_size=model.ffn_hidden_size,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
+        attention_backend=AttnBackend[model.attention_backend],
         init_method_std=model.init_method_std,
         normalization=model.normalization,
         gated_linear_unit=model.swiglu,
