@@ -156,7 +156,9 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 1000=$DLX $D32 --dilocox-local-steps-ramp-iters 1000"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
-             --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-outer-lr 1.2") ;;
+             --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-outer-lr 1.2"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7=$DLX $D32 $RAMP --dilocox-outer-lr 1.7"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0=$DLX $D32 $RAMP --dilocox-outer-lr 2.0") ;;
   clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
     RAMP="--dilocox-local-steps-ramp-iters 600"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
