@@ -8,6 +8,7 @@
 #   STUDY=early SEEDS=3 bash examples/benchmark/convergence.sh   # first-round levers on blocking DiLoCo
 #   STUDY=ramp bash examples/benchmark/convergence.sh            # the acceptance comparison with an H ramp
 #   STUDY=ramp-levers SEEDS=1 bash examples/benchmark/convergence.sh  # inner/outer lr and ramp length under ramp 600
+#   STUDY=outer-lr bash examples/benchmark/convergence.sh        # outer lr 1.4 under the ramp, three seeds
 #   STUDY=clusters CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -23,7 +24,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -157,8 +158,13 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 1000=$DLX $D32 --dilocox-local-steps-ramp-iters 1000"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
              --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600 outer lr 1.2=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-outer-lr 1.2"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7=$DLX $D32 $RAMP --dilocox-outer-lr 1.7"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0=$DLX $D32 $RAMP --dilocox-outer-lr 2.0") ;;
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7=$DLX $D32 $RAMP --dilocox-outer-lr 1.7") ;;
+  outer-lr)  # the best outer lr of STUDY=ramp-levers (1.4) over three seeds, beside ramp 600 at outer lr 1
+    RAMP="--dilocox-local-steps-ramp-iters 600"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
+             --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
   clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
     RAMP="--dilocox-local-steps-ramp-iters 600"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
@@ -167,7 +173,7 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
