@@ -166,4 +166,6 @@ def test_a_cluster_restarted_in_its_namespace_heals_over_the_link(tmp_path):
     assert out.count("joined the running clusters") == 1, out[-6000:]
     vals = [[(r["iteration"], r["val_loss"]) for r in read_jsonl(path) if "val_loss" in r]
             for path in (metrics, metrics.with_name("m.cluster-1.jsonl"))]
-    assert vals[0] == vals[1] and [it for it, _ in vals[0]] == [30, 60], vals
+    # The restarted cluster evaluates from its join on (at 30 only if it was back by then, which
+    # a loaded machine may not allow): the same losses as its peer at the same iterations, to the end.
+    assert [it for it, _ in vals[0]] == [30, 60] and vals[1] and vals[1] == vals[0][-len(vals[1]):], vals
