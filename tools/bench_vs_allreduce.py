@@ -163,8 +163,9 @@ def main(argv=None) -> int:
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
-                 overlap_mode=args.overlap_mode, compute_only_repeats=args.compute_only_repeats, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                 overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  compression_args=args.compression_args, seed=args.seed,
+                 compute_only_repeats=args.compute_only_repeats,
                  pretrain_flags=cfg["pretrain"],
                  harness_command=shlex.join([sys.executable, *sys.argv]))
     print(f"> {args.clusters} clusters x {args.ranks_per_cluster} ranks, every cluster link shaped to {args.rate} "

@@ -24,11 +24,10 @@ from megatron_dilocox.errors import ConfigError
 SENTENCEPIECE_FILE = "tokenizer.model"  # the name Llama's Hugging Face folders give it
 
 
-def special_ids(sp: spm.SentencePieceProcessor) -> dict[str, int | None]:
-    """bos/eos/pad/unk ids of a SentencePiece model (None where it has none), as HF names them."""
-    ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id(),
-           "unk_token_id": sp.unk_id()}
-    return {name: (i if i >= 0 else None) for name, i in ids.items()}
+def special_ids(sp: spm.SentencePieceProcessor) -> dict[str, int]:
+    """The special ids a SentencePiece model has, by kind: ``bos``, ``eos``, ``pad``, ``unk``."""
+    ids = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id(), "unk": sp.unk_id()}
+    return {kind: i for kind, i in ids.items() if i >= 0}
 
 
 def to_hf_tokenizer(model_path: str):
@@ -46,8 +45,7 @@ def to_hf_tokenizer(model_path: str):
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
     if backend is None:
         raise ConfigError(f"{model_path}: a SentencePiece {proto.trainer_spec.model_type} model does not convert")
-    names = {f"{kind}_token": sp.id_to_piece(i) for kind, i in
-             (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()), ("unk", sp.unk_id())) if i >= 0}
+    names = {f"{kind}_token": sp.id_to_piece(i) for kind, i in special_ids(sp).items()}
     return PreTrainedTokenizerFast(tokenizer_object=backend, split_special_tokens=True, **names)
 
 
@@ -55,4 +53,3 @@ def save_hf_tokenizer(model_path: str, folder: str) -> None:
     """Writes the tokenizer of :func:`to_hf_tokenizer` and the SentencePiece file into ``folder``."""
     to_hf_tokenizer(model_path).save_pretrained(folder)
     shutil.copyfile(model_path, os.path.join(folder, SENTENCEPIECE_FILE))
-

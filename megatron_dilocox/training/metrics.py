@@ -19,8 +19,7 @@ from megatron_dilocox.training.round_record import OuterRound
 MEGATRON_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
                  "global_batch_size": "batch-size", "iteration_time_s": "iteration-time",
                  "val_loss": "lm loss validation", "val_ppl": "lm loss validation ppl"}
-VS_SAMPLES = ("lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation",
-              "lm loss validation ppl")
+VS_SAMPLES = frozenset(MEGATRON_TAGS.values()) - {"iteration-time"}
 """Tags TensorBoard also gets against the samples consumed ("<tag> vs samples"), as Megatron-LM writes them."""
 
 

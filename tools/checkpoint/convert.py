@@ -124,9 +124,9 @@ def to_hf(load: str, save: str, iteration: int | None, check_logits: bool, token
     tied = not run.model.untie_embeddings_and_output_weights
     config, state_dict = hf.to_hf(gather_full_params([chunk], tied), run.model, model_config, vocab)
     if sp is not None:
-        for name, token_id in hf_tokenizer.special_ids(sp).items():
-            if name != "unk_token_id":
-                setattr(config, name, token_id)
+        ids = hf_tokenizer.special_ids(sp)
+        for kind in ("bos", "eos", "pad"):  # the ids a model config holds
+            setattr(config, f"{kind}_token_id", ids.get(kind))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=True)
     out = Path(save)
@@ -197,7 +197,7 @@ def _import_tokenizer(load: str, save: str, config, vocab: int) -> list[str]:
         _fail(f"--load {load}: {SENTENCEPIECE_FILE} is not a SentencePiece model")
     if sp.get_piece_size() > vocab:
         _fail(f"--load {load}: {SENTENCEPIECE_FILE} has {sp.get_piece_size()} pieces, the model {vocab} embeddings")
-    eos = special_ids(sp)["eos_token_id"]
+    eos = special_ids(sp).get("eos")
     if config.eos_token_id is not None and config.eos_token_id != eos:
         _fail(f"--load {load}: {SENTENCEPIECE_FILE} has eos id {eos}, config.json says {config.eos_token_id}")
     target = os.path.join(save, SENTENCEPIECE_FILE)
