@@ -89,6 +89,14 @@ class DiLoCoXConfig:
     H=10 (docs/convergence.md): 1.5 and outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9
     stalled); 0.7 helped uncompressed blocking DiLoCo a little but lost with the default codec."""
 
+    outer_lr_warmup_iters: int = 0
+    """Grow the outer lr linearly from 1 (the plain average) to --dilocox-outer-lr over the
+    first this many iterations (0: off).
+
+    The round that ends at iteration i steps with :meth:`outer_lr_at` (i): the replicas'
+    averaged progress is applied as it is while the loss falls fastest, and extrapolated
+    (outer lr above 1) only once rounds are long (docs/convergence.md)."""
+
     outer_momentum: float = 0.0
     """Outer SGD momentum, in [0, 1) (0: plain SGD; Nesterov when > 0 unless
     --dilocox-no-nesterov)."""
@@ -131,6 +139,12 @@ class DiLoCoXConfig:
             return self.local_steps
         return min(self.local_steps, 1 + self.local_steps * iteration // self.local_steps_ramp_iters)
 
+    def outer_lr_at(self, iteration: int) -> float:
+        """Outer lr of the round that ends at ``iteration`` (:attr:`outer_lr_warmup_iters`)."""
+        if iteration >= self.outer_lr_warmup_iters:
+            return self.outer_lr
+        return 1.0 + (self.outer_lr - 1.0) * iteration / self.outer_lr_warmup_iters
+
     @property
     def use_nesterov(self) -> bool:
         """Whether the outer step is Nesterov (it needs momentum)."""
@@ -148,6 +162,8 @@ class DiLoCoXConfig:
             raise ValueError(f"--dilocox-local-steps must be >= 1, got {self.local_steps}")
         if self.local_steps_ramp_iters < 0:
             raise ValueError(f"--dilocox-local-steps-ramp-iters must be >= 0, got {self.local_steps_ramp_iters}")
+        if self.outer_lr_warmup_iters < 0:
+            raise ValueError(f"--dilocox-outer-lr-warmup-iters must be >= 0, got {self.outer_lr_warmup_iters}")
         if self.local_steps_ramp_iters and self.max_local_steps is not None:
             raise ValueError("--dilocox-local-steps-ramp-iters and --dilocox-max-local-steps (adaptive H) both set H: use one")
         if self.max_local_steps is not None:

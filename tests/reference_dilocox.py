@@ -70,13 +70,13 @@ def run(spec, out):
         sent = comp.flush_config()
         flush = quantized_arrival([p.numel() for p in params[0]], sent.bits, sent.block)
     ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov,
-                          compressors, comp.keep_unsent, flush)
+                          compressors, comp.keep_unsent, flush, cfg.outer_lr_at)
     boundary, landing = cfg.local_steps_at(0), None
     for iteration in range(1, args.training.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)
         if iteration == boundary:
-            ref.step(params)
+            ref.step(params, iteration)
             h = cfg.local_steps_at(iteration)
             boundary += h
             landing = iteration + cfg.landing if cfg.landing and cfg.landing < h else None

@@ -29,8 +29,11 @@ TOPK = ["--dilocox-compression", "topk", "--dilocox-quant-bits", "2", "--dilocox
 LANDING = ["--dilocox-sync-mode", "eager", "--dilocox-overlap-steps", "1"]
 # H ramped from 1 to 3 over the first 6 iterations: rounds of 1, 1, 2 and 3 steps, then 3
 # (boundaries at 1, 2, 4, 7), each average landing one step in where the round is long enough
-# (the last at 8: nothing is left to drain at the end).
-RAMP = ["--dilocox-sync-mode", "delay", "--dilocox-local-steps-ramp-iters", "6"]
+# (the last at 8: nothing is left to drain at the end); the outer lr warms up from 1 to 1.4 over
+# the same 6 iterations (1.067, 1.133 and 1.267 for the rounds ending at 1, 2 and 4, then 1.4).
+OUTER_LR = ["--dilocox-outer-lr", "1.4"]
+RAMP = ["--dilocox-sync-mode", "delay", "--dilocox-local-steps-ramp-iters", "6", *OUTER_LR,
+        "--dilocox-outer-lr-warmup-iters", "6"]
 # C = 4 clusters of one rank (overriding MODEL's 2, so that 1/C is neither 1/2 nor 1 - 1/C), each
 # round's average applied at the next boundary: a replica trains a whole round from its restart point.
 C4_AT_BOUNDARY = ["--dilocox-clusters", "4", "--dilocox-overlap-steps", str(H)]
@@ -70,6 +73,7 @@ def runs(tmp_path_factory):
     refs = [{"name": mode, "flags": MODEL + ["--dilocox-sync-mode", mode]} for mode in MODES]
     refs.append({"name": "landing", "flags": MODEL + LANDING})
     refs.append({"name": "ramp", "flags": MODEL + RAMP})
+    refs.append({"name": "ramp_outer_lr_at_once", "flags": MODEL + RAMP + ["--dilocox-outer-lr-warmup-iters", "0"]})
     refs += [{"name": f"{mode}_c4", "flags": MODEL + C4_AT_BOUNDARY + ["--dilocox-sync-mode", mode]}
              for mode in ("eager", "delay")]
     neither = ["--no-dilocox-keep-unsent", "--no-dilocox-flush-residual"]
@@ -105,8 +109,8 @@ def test_landing_mid_round_matches_reference(runs):
     assert [r["bytes_sent"] > 0 for r in records if "outer_step" in r] == [False] + [True] * (ITERS // H)
 
 
-def test_local_steps_ramp_matches_reference(runs):
-    _assert_matches_reference(runs, "pp2_ramp", "ramp", "delay")
+def test_local_steps_ramp_and_outer_lr_warmup_match_reference(runs):
+    _assert_matches_reference(runs, "pp2_ramp", "ramp", "ramp_outer_lr_at_once")
     rounds = [r for r in read_jsonl(runs / "pp2_ramp.metrics.jsonl") if "outer_step" in r]
     assert [(r["iteration"], r.get("local_steps")) for r in rounds] == [(1, 1), (2, 2), (4, 3), (7, 3)]
     infos = [json.loads((runs / f"pp2_ramp.info.{rank}.json").read_text()) for rank in range(4)]

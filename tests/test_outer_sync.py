@@ -602,6 +602,19 @@ def test_agreed_finiteness_decides_the_skip(mode):
     sync.close()
 
 
+def test_outer_lr_warmup():
+    """The outer lr of a round grows linearly with the iteration that ends it, from 1 (the plain
+    average) at iteration 0 to --dilocox-outer-lr from the warm-up's end on, up or down."""
+    up = DiLoCoXConfig(outer_lr=1.4, outer_lr_warmup_iters=600)
+    assert [up.outer_lr_at(i) for i in (0, 150, 300, 600, 9000)] == pytest.approx([1.0, 1.1, 1.2, 1.4, 1.4])
+    assert up.outer_lr_at(599) < 1.4
+    down = DiLoCoXConfig(outer_lr=0.6, outer_lr_warmup_iters=100)
+    assert [down.outer_lr_at(i) for i in (0, 50, 100)] == pytest.approx([1.0, 0.8, 0.6])
+    assert [DiLoCoXConfig(outer_lr=1.4).outer_lr_at(i) for i in (0, 7)] == [1.4, 1.4]
+    with pytest.raises(ValueError, match="--dilocox-outer-lr-warmup-iters must be >= 0"):
+        DiLoCoXConfig(outer_lr_warmup_iters=-1).validate()
+
+
 def test_local_steps_ramp():
     """H grows from 1 by one step every N / H iterations and stays at H from iteration N on; the
     rounds it adds over a run follow the harmonic sum in the flag's help."""

@@ -9,6 +9,7 @@
 #   STUDY=ramp bash examples/benchmark/convergence.sh            # the acceptance comparison with an H ramp
 #   STUDY=ramp-levers SEEDS=1 bash examples/benchmark/convergence.sh  # inner/outer lr and ramp length under ramp 600
 #   STUDY=outer-lr bash examples/benchmark/convergence.sh        # outer lr 1.4 under the ramp, three seeds
+#   STUDY=outer-warmup SEEDS=1 bash examples/benchmark/convergence.sh  # the outer lr warmed up over the ramp
 #   STUDY=clusters CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -24,7 +25,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -165,6 +166,15 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
+  outer-warmup)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first rounds on)
+    RAMP="--dilocox-local-steps-ramp-iters 600"
+    WARM="--dilocox-outer-lr-warmup-iters 600"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
+             --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 1.7 $WARM"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 1.4 $WARM"
+             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 2.0 $WARM") ;;
   clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
     RAMP="--dilocox-local-steps-ramp-iters 600"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
@@ -173,7 +183,7 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP") ;;
   batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

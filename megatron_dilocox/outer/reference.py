@@ -35,10 +35,12 @@ class ReferenceDiLoCo:
         flush: ``flush(residual) -> decoded``, how a compressor's flat residual arrives (for
             example quantized and decoded); given, :meth:`finish` applies the mean of the
             arrived residuals as one more outer step.
+        lr_at: ``lr_at(iteration) -> lr`` of the round that ended at that iteration (given to
+            :meth:`step`); the flush takes the last round's. None: ``lr`` for every round.
     """
 
     def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False,
-                 flush=None):
+                 flush=None, lr_at=None):
         assert mode in ("sync", "delay", "eager", "delay-naive")
         assert not (keep_unsent or flush) or compressors, "keep_unsent and flush need compressors"
         self.mode, self.clusters = mode, clusters
@@ -49,12 +51,16 @@ class ReferenceDiLoCo:
             self.base, lr=lr, momentum=momentum, nesterov=nesterov, foreach=False
         )
         self.pending = None  # average launched at the previous boundary (delay modes)
+        self.lr_at = lr_at or (lambda iteration: lr)
+        self.launched = 0  # the iteration that ended the round launched last
 
     @torch.no_grad()
-    def step(self, replicas):
-        """Round boundary: ``replicas[k]`` is cluster k's params after H local steps (in place)."""
+    def step(self, replicas, iteration=0):
+        """Round boundary after ``iteration`` inner steps: ``replicas[k]`` is cluster k's params
+        after H local steps (in place)."""
         deltas = [[s - p for s, p in zip(start, rep)] for start, rep in zip(self.starts, replicas)]
         if self.mode == "sync":
+            self.launched = iteration
             self._apply(self._mean(deltas))
             self.starts = [self._anchor(k) for k in range(self.clusters)]
         else:
@@ -62,7 +68,7 @@ class ReferenceDiLoCo:
                 self._apply(self.pending)
             # The restart points use the residuals of the round just applied, not this one's.
             anchors = [self._anchor(k) for k in range(self.clusters)]
-            self.pending = self._mean(deltas)
+            self.pending, self.launched = self._mean(deltas), iteration
             if self.mode == "delay":  # keep each replica's own, not yet averaged progress
                 self.starts = [[a - d for a, d in zip(ak, dk)] for ak, dk in zip(anchors, deltas)]
             elif self.mode == "eager":  # keep only its share of the coming average
@@ -122,8 +128,10 @@ class ReferenceDiLoCo:
         return out
 
     def _apply(self, g):
+        """One outer step with the lr of the round launched last (the one ``g`` comes from)."""
         for b, gi in zip(self.base, g):
             b.grad = gi.clone()
+        self.opt.param_groups[0]["lr"] = self.lr_at(self.launched)
         self.opt.step()
 
     def _load(self, replicas):

@@ -393,7 +393,7 @@ class OuterSync:
         if not finite:
             return self.base
         base = self.base.clone()
-        preview = OuterNesterov([base], self.config.outer_lr, self.config.outer_momentum, self.config.use_nesterov)
+        preview = OuterNesterov([base], self._outer_lr(), self.config.outer_momentum, self.config.use_nesterov)
         preview.load_state_dict(self.optimizer.state_dict())  # copies the momentum buffers
         preview.step([result.grad])
         return base
@@ -502,5 +502,10 @@ class OuterSync:
                 RuntimeWarning,
             )
             return False
+        self.optimizer.lr = self._outer_lr()
         self.optimizer.step([g])
         return True
+
+    def _outer_lr(self) -> float:
+        """The outer lr of the round being applied: the last one launched (the flush: the last round's)."""
+        return self.config.outer_lr_at(self._launched["iteration"])
