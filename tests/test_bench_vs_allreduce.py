@@ -16,7 +16,8 @@ from test_wan import _namespaces, needs_netns
 sys.path.insert(0, str(REPO / "tools"))
 
 import bench_vs_allreduce as bench  # noqa: E402
-from vs_allreduce.runs import run_order, with_flag  # noqa: E402
+from pretrain_flags import flag_value  # noqa: E402
+from vs_allreduce.runs import METHODS, Bench, run_order, with_flag  # noqa: E402
 
 HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
 PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -47,6 +48,10 @@ def _data(ds, tmp_path) -> list[str]:
      "--compute-only-repeats must be >= 1, got 0"),
     (["--rate", "10mbit", "--out", "o", "--compression-args", "--dilocox-outer-lr 2", "--", *PRETRAIN],
      "--compression-args takes only codec flags"),
+    (["--rate", "10mbit", "--out", "o", "--local-steps-ramp-iters", "-1", "--", *PRETRAIN],
+     "--local-steps-ramp-iters must be >= 0, got -1"),
+    (["--rate", "10mbit", "--out", "o", "--local-steps", "5", "--local-steps-ramp-iters", "10",
+      "--shaped-iters", "dilocox-sync=15", "--", *PRETRAIN], "a projection needs steady rounds"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -54,6 +59,20 @@ def test_argument_errors(args, message, capsys):
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("bench_vs_allreduce.py: error:") and message in last, last
+
+
+def test_ramp_and_outer_settings_reach_every_dilocox_method_only():
+    args = bench.build_parser().parse_args(["--rate", "10mbit", "--out", "o", "--local-steps", "5",
+                                            "--local-steps-ramp-iters", "10", "--outer-lr", "1.4", "--", *PRETRAIN])
+    cfg = dict(pretrain=PRETRAIN, iters=20, gbs=8, compression=[])
+    b = Bench(args, cfg, None)
+    for method in METHODS:
+        flags = b._flags(method, 20, "m.jsonl", evaluate=True)
+        dilocox = method not in ("allreduce", "compute-only")
+        assert ("--dilocox-local-steps-ramp-iters" in flags) == dilocox, method
+        if dilocox:
+            assert flag_value(flags, "--dilocox-local-steps-ramp-iters") == "10"
+            assert flag_value(flags, "--dilocox-outer-lr") == "1.4"
 
 
 def test_compute_only_runs_first_between_and_last():

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-cluster", type=int, default=2, help="TP x PP x DP_in ranks of one cluster")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
     p.add_argument("--local-steps", type=int, default=10, help="H for every DiLoCoX method")
+    p.add_argument("--local-steps-ramp-iters", type=int,
+                   help="--dilocox-local-steps-ramp-iters for every DiLoCoX method (default: the product's)")
     p.add_argument("--outer-lr", type=float, help="--dilocox-outer-lr (default: the product's)")
     p.add_argument("--outer-momentum", type=float,
                    help="--dilocox-outer-momentum (default: the product's); 0 = plain outer SGD, no Nesterov")
@@ -126,6 +128,8 @@ def check_args(parser, args) -> dict:
         parser.error(f"--local-steps must divide --train-iters {iters}, got {args.local_steps}")
     if gbs % args.clusters:
         parser.error(f"--global-batch-size {gbs} must be divisible by --clusters {args.clusters}")
+    if args.local_steps_ramp_iters is not None and args.local_steps_ramp_iters < 0:
+        parser.error(f"--local-steps-ramp-iters must be >= 0, got {args.local_steps_ramp_iters}")
     if args.compute_only_repeats < 1:
         parser.error(f"--compute-only-repeats must be >= 1, got {args.compute_only_repeats}")
     if args.eval_interval < 1 or args.eval_iters < 1:
@@ -139,6 +143,9 @@ def check_args(parser, args) -> dict:
         name, sep, n = item.partition("=")
         if not sep or name not in methods or name == "compute-only" or not n.isdigit():
             parser.error(f"--shaped-iters takes METHOD=N for a benchmarked method other than compute-only, got {item!r}")
+        if name != "allreduce" and args.local_steps_ramp_iters:
+            parser.error(f"--shaped-iters {item}: a projection needs steady rounds, which an H ramp does not have "
+                         "(--local-steps-ramp-iters); project only allreduce")
         unit = 1 if name == "allreduce" else args.local_steps
         if int(n) < 3 * unit or int(n) % unit or int(n) > iters:
             parser.error(f"--shaped-iters {item}: N must be a multiple of {unit}, at least {3 * unit}, at most {iters}")
@@ -163,6 +170,7 @@ def main(argv=None) -> int:
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
+                 local_steps_ramp_iters=args.local_steps_ramp_iters,
                  overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  compression_args=args.compression_args, seed=args.seed,
                  compute_only_repeats=args.compute_only_repeats,

@@ -77,7 +77,8 @@ class Bench:
         flags += ["--dilocox-clusters", str(a.clusters), *(f.format(overlap=a.overlap_mode) for f in extra)]
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
-            for flag, value in (("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
+            for flag, value in (("--dilocox-local-steps-ramp-iters", a.local_steps_ramp_iters),
+                                ("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
                 if value is not None:
                     flags += [flag, str(value)]
             if a.outer_momentum == 0:  # plain outer SGD: Nesterov needs momentum
