@@ -16,7 +16,7 @@ import time
 
 from megatron_dilocox import interrupt
 from megatron_dilocox.arguments import parse_args
-from megatron_dilocox.errors import CheckpointError, ClusterLossError, ConfigError, missing_dependency
+from megatron_dilocox.errors import CheckpointError, ClusterLossError, ConfigError, StateDivergedError, missing_dependency
 
 PROG = "pretrain_gpt.py"
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         from megatron_dilocox.job import run  # heavy imports after --help and flag checks
 
         run(run_config)
-    except (ConfigError, ClusterLossError) as err:
+    except (ConfigError, ClusterLossError, StateDivergedError) as err:
         return _error(str(err))
     except ModuleNotFoundError as err:
         return _error(missing_dependency(err))

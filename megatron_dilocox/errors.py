@@ -27,6 +27,11 @@ class ClusterLossError(RuntimeError):
     ``--dilocox-min-clusters`` are live, or the exchange keeps failing."""
 
 
+class StateDivergedError(RuntimeError):
+    """This cluster's global state differs from the other clusters' and no strict majority of
+    them holds it: it must not go on (its payloads would be dropped, and it would drop theirs)."""
+
+
 def missing_dependency(err: ModuleNotFoundError) -> str:
     """The one-line error of a run outside the project's environment."""
     return (f"Python module {err.name!r} is not installed for {sys.executable}: install the pinned "

@@ -1,7 +1,7 @@
 """One single-rank cluster in the fault tests of the exchange between clusters (test_cluster_exchange.py).
 
     python tests/cluster_worker.py CLUSTER CLUSTERS ROUNDS LIGHTHOUSE [--corrupt-round R] [--inner-s S]
-        [--hold-round R --hold-file PATH]
+        [--hold-round R --hold-file PATH] [--diverge-round R]
 
 Every round it sends a framed fp32 "pseudo-gradient" drawn from (cluster, round), adds the mean of
 the delivered ones to its "global parameters" ``w`` and prints one JSON line: the round, the
@@ -9,7 +9,9 @@ clusters used and dropped, whether it healed, and ``w``'s digest (its SHA-256 is
 fingerprint, so a cluster whose ``w`` differs is dropped). It stops once ``ROUNDS`` rounds
 are committed (a restarted cluster takes its peers' count when it heals). ``--hold-round`` waits
 before that round until ``--hold-file`` exists (so that survivors are still running when a
-restarted cluster has finished its imports).
+restarted cluster has finished its imports). ``--diverge-round`` changes one entry of ``w``
+before that round (a state no other cluster holds); a StateDivergedError prints
+``{"event": "diverged", ...}`` and exits with status 3.
 """
 import argparse
 import hashlib
@@ -24,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_dilocox.config import ExchangeConfig  # noqa: E402
+from megatron_dilocox.errors import StateDivergedError  # noqa: E402
 from megatron_dilocox.outer.cluster_exchange import ClusterExchange  # noqa: E402
 from megatron_dilocox.outer.compression import wire  # noqa: E402
 
@@ -52,6 +55,7 @@ def main() -> None:
     p.add_argument("--inner-s", type=float, default=0.3)
     p.add_argument("--hold-round", type=int, default=-1)
     p.add_argument("--hold-file", type=Path)
+    p.add_argument("--diverge-round", type=int, default=-1)
     a = p.parse_args()
 
     w = torch.zeros(NUMEL)
@@ -73,9 +77,16 @@ def main() -> None:
         payload = wire.frame(pseudo_gradient(a.cluster, rnd).view(torch.uint8), header(a.cluster, rnd))
         if rnd == a.corrupt_round:
             payload[-1] ^= 0x5A  # a bit flip in the body: the checksum must catch it
+        if rnd == a.diverge_round:
+            w[0] += 0.5
         # The fingerprint of w: after a heal the restarted cluster's must equal everyone's again.
-        got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)),
-                          fingerprint=hashlib.sha256(w.numpy().tobytes()).digest())
+        try:
+            got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)),
+                              fingerprint=hashlib.sha256(w.numpy().tobytes()).digest())
+        except StateDivergedError as err:
+            print(json.dumps(dict(event="diverged", cluster=a.cluster, round=rnd, error=str(err))), flush=True)
+            ex.close()
+            sys.exit(3)
         acc = torch.zeros(NUMEL)
         for body in got.payloads:
             acc += body[wire.HEADER_BYTES:].view(torch.float32)

@@ -1,7 +1,7 @@
 """The exchange between independent clusters on torchft (megatron_dilocox/outer/cluster_exchange.py):
 three single-rank clusters as separate processes around one Lighthouse. One cluster is killed
 (SIGKILL) between rounds and restarted; another sends a corrupt payload. Checked against a
-single-process replay of the same rounds."""
+single-process replay of the same rounds. Then a cluster whose state no majority holds."""
 
 import json
 import signal
@@ -20,8 +20,10 @@ sys.path.insert(0, str(REPO / "tests"))
 import cluster_worker  # noqa: E402
 
 from megatron_dilocox.config import ExchangeConfig  # noqa: E402
+from megatron_dilocox.outer.cluster_exchange import majority_fingerprint  # noqa: E402
 
 ROUNDS, KILL_AFTER, HOLD, CORRUPT = 10, 2, 5, 7
+DIVERGE = 2
 HEARTBEAT_MS = 3000
 
 
@@ -135,3 +137,48 @@ def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tm
 def test_bad_settings_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         ExchangeConfig("localhost:29510", **fields).validate(clusters=3)
+
+
+def test_majority_fingerprint():
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    assert majority_fingerprint([a, a, b]) == a
+    assert majority_fingerprint([a, None, a, b]) == a  # a cluster that sent nothing does not vote
+    assert majority_fingerprint([a, b]) is None and majority_fingerprint([a, a, b, b]) is None
+    assert majority_fingerprint([a, b, c]) is None and majority_fingerprint([None]) is None
+    assert majority_fingerprint([c]) == c
+
+
+@pytest.mark.parametrize("clusters", [2, 3])
+def test_a_state_no_majority_holds_stops_its_cluster(lighthouse, tmp_path, clusters):
+    """Cluster 1 changes its global state before round DIVERGE. With three clusters it is outvoted:
+    it stops with the error, and the other two apply that round's payloads of theirs (cluster 1's
+    refusals do not count) and go on. With two there is no majority, and both stop at that round
+    rather than train on as two runs."""
+    log = open(tmp_path / "stderr.txt", "w")
+    workers = []
+    try:
+        for k in range(clusters):
+            extra = ["--diverge-round", str(DIVERGE)] if k == 1 else []
+            workers.append(Cluster(f"c{k}", [str(k), str(clusters), str(DIVERGE + 2), lighthouse, "--inner-s", "0.1",
+                                             *extra], log))
+        codes = [w.proc.wait(timeout=240) for w in workers]
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+        log.close()
+    stopped = [k for k, code in enumerate(codes) if code == 3]
+    assert stopped == ([1] if clusters == 3 else [0, 1]), (codes, (tmp_path / "stderr.txt").read_text()[-4000:])
+    for k in stopped:
+        (event,) = [r for r in workers[k].records if r["event"] == "diverged"]
+        assert event["round"] == DIVERGE and "not the majority's" in event["error"]
+        assert ("2 of 3 clusters hold" if clusters == 3 else "no majority among the 2") in event["error"]
+        assert [r["round"] for r in workers[k].rounds()] == list(range(DIVERGE))
+    if clusters == 3:
+        for k in (0, 2):
+            rounds = workers[k].rounds()
+            assert codes[k] == 0 and [r["round"] for r in rounds] == list(range(DIVERGE + 2))
+            at = rounds[DIVERGE]
+            assert at["clusters"] == [0, 2] and "fingerprint differs" in at["dropped"]["1"], at
+        assert workers[0].rounds()[-1]["digest"] == workers[2].rounds()[-1]["digest"]

@@ -15,7 +15,13 @@ so the ranks that hold the same shard in every live cluster exchange with each o
    rank checks what it received (the envelope, a fingerprint equal to its own, then the caller's
    ``verify``, for example the codec frame's checksum), and the members all-gather their
    verdicts: a payload is used only if every member accepted it, so every survivor applies the
-   same set of clusters, and a corrupt one is dropped and named.
+   same set of clusters, and a corrupt one is dropped and named. **A state no majority holds
+   stops its cluster**: if a strict majority of the senders share one fingerprint, the others'
+   verdicts do not count (they compared against a state nobody else holds) and each of them
+   raises :class:`StateDivergedError` once the round commits; with no such majority (two
+   clusters that differ) every sender raises it. Otherwise two clusters that differ would each
+   drop the other's payloads for the rest of the run: two runs, not one. (At the first round
+   every difference is a configuration error, which :class:`ExchangeLink` reports.)
 3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
    a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
    with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
@@ -40,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dilocox.config import ExchangeConfig
-from megatron_dilocox.errors import ClusterLossError, ConfigError
+from megatron_dilocox.errors import ClusterLossError, ConfigError, StateDivergedError
 from megatron_dilocox.outer.link import Gathered, Verify, count, gathered_mean
 
 ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
@@ -94,6 +100,15 @@ class Delivery:
     """Quorums this round took (more than 1 after a failure)."""
     seconds: float = 0.0
     """From the first quorum to the commit."""
+
+
+def majority_fingerprint(prints: list[bytes | None]) -> bytes | None:
+    """The fingerprint more than half of the senders (the non-None entries) share, or None."""
+    senders = [p for p in prints if p is not None]
+    for p in set(senders):
+        if 2 * senders.count(p) > len(senders):
+            return p
+    return None
 
 
 class ClusterExchange:
@@ -188,13 +203,14 @@ class ClusterExchange:
                 begin = time.monotonic()
                 continue
             mine = self._envelope(payload, mgr.current_step(), fingerprint, valid=valid and not healed)
-            decoded = verdicts = None
+            decoded = verdicts = prints = None
             if not mgr.errored():
                 try:
                     rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
                     self.pg.allgather([rows], [mine], AllgatherOptions()).wait()
                     decoded = [self._open(row, mgr.current_step(), payload.numel(), verify,
                                           None if healed else fingerprint) for row in rows]
+                    prints = [self._fingerprint(row) for row in rows]
                     ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
                     verdicts = [torch.empty_like(ok) for _ in rows]
                     self.pg.allgather([verdicts], [ok], AllgatherOptions()).wait()
@@ -202,7 +218,9 @@ class ClusterExchange:
                     mgr.report_error(err)
                     why = f"exchange: {err}"
             if mgr.should_commit():
-                accepted = torch.stack(verdicts).min(0).values.bool().tolist()
+                majority = majority_fingerprint(prints)
+                voters = [v for v, p in zip(verdicts, prints) if majority is None or p in (None, majority)]
+                accepted = torch.stack(voters).min(0).values.bool().tolist()
                 delivery = Delivery(round=mgr.current_step() - 1, clusters=[], payloads=[], members=[],
                                     healed=healed, attempts=attempts, seconds=time.monotonic() - begin)
                 for (cluster, body, reason), used in zip(decoded, accepted):  # members come in cluster order
@@ -212,6 +230,9 @@ class ClusterExchange:
                         delivery.payloads.append(body)
                     else:
                         delivery.dropped[cluster] = reason or "refused by another cluster"
+                own = None if healed or not valid else fingerprint  # a cluster that sent nothing is not judged
+                if delivery.round > 0 and own is not None and own != majority:
+                    raise StateDivergedError(self._diverged(prints, own, majority, delivery.round))
                 return delivery
             if members < cfg.min_clusters:
                 why = f"{members} live clusters, --dilocox-min-clusters is {cfg.min_clusters}"
@@ -240,6 +261,22 @@ class ClusterExchange:
         head = torch.tensor([self.config.cluster_index, step, int(valid), payload.numel()], dtype=torch.int64)
         body = payload if valid else torch.zeros_like(payload)
         return torch.cat([head.view(torch.uint8), torch.frombuffer(bytearray(fingerprint), dtype=torch.uint8), body])
+
+    def _diverged(self, prints: list[bytes | None], mine: bytes, majority: bytes | None, round_: int) -> str:
+        senders = [p for p in prints if p is not None]
+        held = (f"{senders.count(majority)} of {len(senders)} clusters hold {majority.hex()[:16]}" if majority
+                else f"no majority among the {len(senders)} sending clusters")
+        return (f"cluster {self.config.cluster_index}: DiLoCoX outer round {round_}: this cluster's global state "
+                f"(fingerprint {mine.hex()[:16]}) is not the majority's ({held}); it stops rather than train on "
+                "as a separate run. Resume it from its last checkpoint (torchrun --max-restarts does): behind "
+                "the others, it heals from a live peer; with no majority, resume every cluster")
+
+    @staticmethod
+    def _fingerprint(row: torch.Tensor) -> bytes | None:
+        """The fingerprint a row was sent with, None if it sent no payload (it does not vote)."""
+        if not row[2 * 8: 3 * 8].view(torch.int64).item():
+            return None
+        return row[ENVELOPE * 8: ENVELOPE * 8 + FINGERPRINT_BYTES].numpy().tobytes()
 
     @staticmethod
     def _open(row: torch.Tensor, step: int, numel: int, verify,
