@@ -18,6 +18,9 @@ blockwise absmax int8, an error of at most 1/254 of a block's largest entry, at 
 of the bytes of fp32."""
 
 
+DEFAULT_RAMP_ITERS = 600
+"""``--dilocox-local-steps-ramp-iters`` when not given (and H not adaptive)."""
+
 DEFAULT_OVERLAP_STEPS = 1
 """``--dilocox-overlap-steps`` when not given: the average lands one inner step into the next
 round (closest to blocking ``sync`` of the overlapped settings measured, docs/convergence.md)."""
@@ -39,13 +42,17 @@ class DiLoCoXConfig:
 
     With adaptive H (:attr:`max_local_steps`) the first round's H."""
 
-    local_steps_ramp_iters: int = 0
-    """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off).
+    local_steps_ramp_iters: int | None = None
+    """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off;
+    default 600, with adaptive H 0).
 
     The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
     ``min(H, 1 + H * i // N)``, so the first rounds, where the replicas would drift apart most
-    while the loss falls fastest, are short (docs/convergence.md). The ramp adds about
-    ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (59 at N = 300, H = 10)."""
+    while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
+    AllReduce halved and the seed spread went). The ramp adds about
+    ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, H = 10), each on a slow link
+    costing a round's fixed overhead on top of its step (docs/benchmarks.md). None:
+    :attr:`ramp_iters`."""
 
     min_local_steps: int | None = None
     """Lower bound of an adaptive H."""
@@ -82,14 +89,15 @@ class DiLoCoXConfig:
     exchange has not finished within these steps, training waits for it (the round's ``wait_s``;
     tools/plan.py shows whether it hides)."""
 
-    outer_lr: float = 1.0
+    outer_lr: float = 1.7
     """Outer SGD learning rate.
 
-    1.0 without momentum (the mean of the replicas' progress, applied as it is) by measurement at
-    H=10 (docs/convergence.md): 1.5 and outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9
-    stalled); 0.7 helped uncompressed blocking DiLoCo a little but lost with the default codec."""
+    1.7 without momentum, warmed up from 1 (:attr:`outer_lr_warmup_iters`), by measurement at
+    H = 10 with the H ramp (docs/convergence.md): the replicas' averaged progress is shorter than
+    either's where they disagree, and a longer step restores it; without the warm-up 1.7 lost
+    from the first rounds on. Outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled)."""
 
-    outer_lr_warmup_iters: int = 0
+    outer_lr_warmup_iters: int = 600
     """Grow the outer lr linearly from 1 (the plain average) to --dilocox-outer-lr over the
     first this many iterations (0: off).
 
@@ -133,11 +141,19 @@ class DiLoCoXConfig:
             return None if self.max_local_steps is not None else DEFAULT_OVERLAP_STEPS
         return self.overlap_steps
 
+    @property
+    def ramp_iters(self) -> int:
+        """The H ramp's length: :attr:`local_steps_ramp_iters`, or when not given
+        ``DEFAULT_RAMP_ITERS`` (0 with adaptive H, which sets H itself)."""
+        if self.local_steps_ramp_iters is not None:
+            return self.local_steps_ramp_iters
+        return 0 if self.max_local_steps is not None else DEFAULT_RAMP_ITERS
+
     def local_steps_at(self, iteration: int) -> int:
-        """H of the round that starts after ``iteration`` inner steps (:attr:`local_steps_ramp_iters`)."""
-        if iteration >= self.local_steps_ramp_iters:
+        """H of the round that starts after ``iteration`` inner steps (:attr:`ramp_iters`)."""
+        if iteration >= self.ramp_iters:
             return self.local_steps
-        return min(self.local_steps, 1 + self.local_steps * iteration // self.local_steps_ramp_iters)
+        return min(self.local_steps, 1 + self.local_steps * iteration // self.ramp_iters)
 
     def outer_lr_at(self, iteration: int) -> float:
         """Outer lr of the round that ends at ``iteration`` (:attr:`outer_lr_warmup_iters`)."""
@@ -160,11 +176,11 @@ class DiLoCoXConfig:
             raise ValueError(f"--dilocox-clusters must be >= 1, got {self.clusters}")
         if self.local_steps < 1:
             raise ValueError(f"--dilocox-local-steps must be >= 1, got {self.local_steps}")
-        if self.local_steps_ramp_iters < 0:
-            raise ValueError(f"--dilocox-local-steps-ramp-iters must be >= 0, got {self.local_steps_ramp_iters}")
+        if self.ramp_iters < 0:
+            raise ValueError(f"--dilocox-local-steps-ramp-iters must be >= 0, got {self.ramp_iters}")
         if self.outer_lr_warmup_iters < 0:
             raise ValueError(f"--dilocox-outer-lr-warmup-iters must be >= 0, got {self.outer_lr_warmup_iters}")
-        if self.local_steps_ramp_iters and self.max_local_steps is not None:
+        if self.ramp_iters and self.max_local_steps is not None:
             raise ValueError("--dilocox-local-steps-ramp-iters and --dilocox-max-local-steps (adaptive H) both set H: use one")
         if self.max_local_steps is not None:
             low = self.min_local_steps or 1

@@ -165,7 +165,7 @@ def test_refuses_a_study_whose_data_would_repeat(tiny_dataset, tmp_path, capsys)
 
 def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
     argv = ["--out", str(tmp_path / "s"), "--seeds", "1", "--method", "AllReduce=",
-            "--method", "DiLoCoX=--dilocox --dilocox-local-steps 3", "--baseline", "AllReduce", "--",
+            "--method", "DiLoCoX=--dilocox --dilocox-local-steps 3 --dilocox-local-steps-ramp-iters 0", "--baseline", "AllReduce", "--",
             *PRETRAIN, *_data(tiny_dataset, tmp_path)]
     cut = argv.index("--")
     assert cs.main([*argv[:cut], "--report", *argv[cut:]]) == 0  # nothing finished yet, nothing is run

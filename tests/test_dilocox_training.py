@@ -17,7 +17,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
          "--eval-interval", str(H), "--eval-iters", "1",
-         "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", str(H), "--dilocox-compression", "none"]
+         "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", str(H), "--dilocox-compression", "none",
+         "--dilocox-local-steps-ramp-iters", "0"]  # rounds of H from the start (RAMP below ramps them)
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
 MODES = ("sync", "delay")
 # A reduction slowed to 3 s against steps of well under 0.6 s: H must grow to its bound of 6.

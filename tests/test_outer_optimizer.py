@@ -72,7 +72,11 @@ def test_config_defaults_are_valid():
     cfg = DiLoCoXConfig()
     cfg.validate()
     assert (cfg.clusters, cfg.local_steps, cfg.sync_mode, cfg.landing) == (2, 20, "delay", 1)
-    assert (cfg.outer_lr, cfg.outer_momentum, cfg.use_nesterov) == (1.0, 0.0, False)
+    assert (cfg.outer_lr, cfg.outer_lr_warmup_iters, cfg.outer_momentum, cfg.use_nesterov) == (1.7, 600, 0.0, False)
+    assert cfg.ramp_iters == 600 and [cfg.local_steps_at(i) for i in (0, 30, 599, 600)] == [1, 2, 20, 20]
+    adaptive = DiLoCoXConfig(max_local_steps=40)
+    adaptive.validate()  # adaptive H sets H itself: no ramp unless asked for (which it refuses)
+    assert adaptive.ramp_iters == 0 and adaptive.local_steps_at(0) == 20
 
 
 @pytest.mark.parametrize(

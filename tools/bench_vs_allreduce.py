@@ -30,7 +30,9 @@ round and runs as one job across the clusters.
 ``--shaped-iters METHOD=N`` is for methods whose full run over the shaped link would take too
 long: their loss comes from a full run without shaping (the math does not depend on the link),
 their throughput from N iterations over the shaped link (steady state, after the first round
-or step), and their training time is tokens / that throughput. Such rows say "projected".
+or step), and their training time is tokens / that throughput. Such rows say "projected"; a
+DiLoCoX method projected so runs without the H ramp (``--dilocox-local-steps-ramp-iters 0``),
+whose short rounds are not steady.
 
 Throughput is measured on the training clock, which validation pauses (as in Megatron's log:
 under DiLoCoX every cluster validates the global parameters on the whole validation batch,
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec flags for dilocox-overlap-compressed, e.g. --compression-args='--dilocox-compression "
                         "quantize --dilocox-quant-bits 4' (default: the product's default codec)")
     p.add_argument("--shaped-iters", action="append", default=[], metavar="METHOD=N",
-                   help="loss from a full unshaped run, throughput from N iterations over the shaped link")
+                   help="loss from a full unshaped run, throughput from N iterations over the shaped link "
+                        "(a DiLoCoX method so projected runs at a fixed H, without the H ramp)")
     p.add_argument("--compute-only-repeats", type=int, default=3,
                    help="runs of compute-only, spread over the other methods; its row is their median")
     p.add_argument("--eval-interval", type=int, default=50)
@@ -143,9 +146,6 @@ def check_args(parser, args) -> dict:
         name, sep, n = item.partition("=")
         if not sep or name not in methods or name == "compute-only" or not n.isdigit():
             parser.error(f"--shaped-iters takes METHOD=N for a benchmarked method other than compute-only, got {item!r}")
-        if name != "allreduce" and args.local_steps_ramp_iters:
-            parser.error(f"--shaped-iters {item}: a projection needs steady rounds, which an H ramp does not have "
-                         "(--local-steps-ramp-iters); project only allreduce")
         unit = 1 if name == "allreduce" else args.local_steps
         if int(n) < 3 * unit or int(n) % unit or int(n) > iters:
             parser.error(f"--shaped-iters {item}: N must be a multiple of {unit}, at least {3 * unit}, at most {iters}")

@@ -10,6 +10,7 @@
 #   STUDY=ramp-levers SEEDS=1 bash examples/benchmark/convergence.sh  # inner/outer lr and ramp length under ramp 600
 #   STUDY=outer-lr bash examples/benchmark/convergence.sh        # outer lr 1.4 under the ramp, three seeds
 #   STUDY=outer-warmup SEEDS=1 bash examples/benchmark/convergence.sh  # the outer lr warmed up over the ramp
+#   STUDY=outer-warmup-2 bash examples/benchmark/convergence.sh  # outer lr 1.7 and 2.0 warmed up, three seeds
 #   STUDY=clusters CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -25,7 +26,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -55,12 +56,17 @@ SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 
          --tokenizer-model "$DATA/sp.model" --split 995,5,0 --data-cache-path "$DATA/cache"
          --dilocox-clusters "$CLUSTERS" --log-interval 50 --eval-interval "$EVAL")
 
-# Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10.
-DLX="--dilocox --dilocox-local-steps 10"
+# Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10, and the settings
+# whose defaults moved on 2026-12-04 (no H ramp, outer lr 1 without warm-up) stay pinned, so
+# that every name keeps its meaning; a method sets what it changes after them.
+DLX="--dilocox --dilocox-local-steps 10 --dilocox-local-steps-ramp-iters 0 --dilocox-outer-lr 1.0 --dilocox-outer-lr-warmup-iters 0"
 SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
 SYNC_FP32="$DLX --dilocox-sync-mode sync --dilocox-compression none"  # blocking DiLoCo, uncompressed
 D64="$DLX --dilocox-topk-density 0.015625"  # the defaults before density 1/32 (the runs below named "DiLoCoX defaults")
 D32="--lr 4e-3 --min-lr 4e-4 --dilocox-topk-density 0.03125"  # the defaults since, at their best inner lr
+# The defaults since 2026-12-04, explicit: H ramped over 600 iterations, outer lr 1.7 warmed up over 600.
+NEW="$DLX $D32 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 1.7 --dilocox-outer-lr-warmup-iters 600"
+NEW_NAME="DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-up 600"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -70,12 +76,13 @@ AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 -
 AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
 # The acceptance comparison on the pinned corpus: each method at its best inner lr of seed 1 (DiLoCoX:
 # 4e-3 of 4e-3, 5.6e-3, 8e-3 at density 1/32, 8e-3 level with it; blocking DiLoCo: 4e-3 of 2.8e-3,
-# 4e-3, 5.6e-3; AllReduce: 4e-3 of 1e-3, 2e-3, 4e-3, 8e-3). The density is explicit, so that the
-# name keeps its meaning if the default moves. AllReduce's other lrs run last of the first seed, so
-# that an early stop already holds the comparison.
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
-          --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3"
-          "${AR_OTHERS[@]}")
+# 4e-3, 5.6e-3; AllReduce: 4e-3 of 1e-3, 2e-3, 4e-3, 8e-3). AllReduce's other lrs run last of the
+# first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
+# defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
+SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
+DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
+DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
+               "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -107,7 +114,7 @@ case "$STUDY" in
       --compare "sync fp32 SGD lr1") ;;
   defaults) METHODS=("${DEFAULTS[@]}") ;;
   levers)  # one seed each, beside the defaults study's runs
-    METHODS=("${DEFAULTS[@]}" --method "sync fp32=$SYNC_FP32" --method "DiLoCoX defaults=$D64"
+    METHODS=("${DEFAULTS_1203[@]}" --method "sync fp32=$SYNC_FP32" --method "DiLoCoX defaults=$D64"
              --method "DiLoCoX defaults 4-bit=$D64 --dilocox-quant-bits 4"
              --method "DiLoCoX defaults inner 8e-3=$D64 --lr 8e-3 --min-lr 8e-4"
              --method "sync fp32 inner 2.8e-3=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4"
@@ -121,7 +128,7 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 chunk 1024 density 1/48=$DLX --lr 4e-3 --min-lr 4e-4 --dilocox-topk-chunk 1024 --dilocox-topk-density 0.0208333"
              --method "DiLoCoX defaults inner 2.8e-3 density 1/32=$DLX --lr 2.8e-3 --min-lr 2.8e-4 --dilocox-topk-density 0.03125") ;;
   lr)  # on the pinned corpus AllReduce's best lr moved from 2e-3 to 4e-3: bracket every method again
-    METHODS=("${DEFAULTS[@]}" --method "sync fp32 inner 5.6e-3=$SYNC_FP32 --lr 5.6e-3 --min-lr 5.6e-4"
+    METHODS=("${DEFAULTS_1203[@]}" --method "sync fp32 inner 5.6e-3=$SYNC_FP32 --lr 5.6e-3 --min-lr 5.6e-4"
              --method "sync fp32 inner 2.8e-3=$SYNC_FP32 --lr 2.8e-3 --min-lr 2.8e-4"
              --method "DiLoCoX defaults inner 5.6e-3 density 1/32=$DLX --lr 5.6e-3 --min-lr 5.6e-4 --dilocox-topk-density 0.03125"
              --method "DiLoCoX defaults inner 8e-3 density 1/32=$DLX --lr 8e-3 --min-lr 8e-4 --dilocox-topk-density 0.03125") ;;
@@ -166,24 +173,30 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
-  outer-warmup)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first rounds on)
+  outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
+    # rounds on), seed 1; outer-warmup-2: outer lr 2.0 over three seeds (1.7's three are the defaults study's)
     RAMP="--dilocox-local-steps-ramp-iters 600"
     WARM="--dilocox-outer-lr-warmup-iters 600"
+    LR2=(--method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 2.0 $WARM")
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
-             --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 1.7 $WARM"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 1.4 $WARM"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 2.0 $WARM") ;;
+             --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4")
+    if [ "$STUDY" = outer-warmup ]; then
+      METHODS+=(--method "$NEW_NAME=$NEW"
+                --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 1.4 $WARM"
+                "${LR2[@]}")
+    else
+      METHODS+=(--method "$NEW_NAME=$NEW" "${LR2[@]}")
+    fi ;;
   clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
     RAMP="--dilocox-local-steps-ramp-iters 600"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "sync fp32 inner 4e-3 H ramp 600"
              --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP") ;;
-  batch)  # the acceptance comparison at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
-    METHODS=("${DEFAULTS[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, clusters or batch, got $STUDY" >&2; exit 2 ;;
+  batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
+    METHODS=("${DEFAULTS_1203[@]}") ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

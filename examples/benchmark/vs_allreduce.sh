@@ -15,9 +15,11 @@ DATA=${DATA:-data/quickstart}
 RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
-# The product's defaults unless given: outer SGD lr 1.0 without momentum, `delay` with the average
-# landing one step into the next round, topk (density 1/32, 2-bit values, error feedback) with the
-# residual flushed at the end (docs/convergence.md). E.g. OVERLAP=eager CODEC="--dilocox-compression
+# The product's defaults unless given: H ramped from 1 over the first 600 iterations (the
+# projected uncompressed rows run without it), outer SGD lr 1.7 without momentum warmed up from 1
+# over 600 iterations, `delay` with the average landing one step into the next round, topk
+# (density 1/32, 2-bit values, error feedback) with the residual flushed at the end
+# (docs/convergence.md). E.g. OVERLAP=eager CODEC="--dilocox-compression
 # quantize --dilocox-quant-bits 4 --dilocox-error-feedback" for the setting of the 2026-11-30 runs.
 OUTER=${OUTER:-}
 OVERLAP=${OVERLAP:-delay}

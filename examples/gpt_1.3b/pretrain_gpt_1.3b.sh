@@ -47,10 +47,12 @@ EVAL_AND_LOGGING_ARGS=(
   --tensorboard-dir "$LOG_DIR/tensorboard" --metrics-file "$LOG_DIR/metrics.jsonl"
   ${WANDB_PROJECT:+--wandb-project "$WANDB_PROJECT" --wandb-exp-name "$NAME"}
 )
-# The product's DiLoCoX defaults (docs/convergence.md): one-step-delay overlap with the average
-# landing one inner step into the next round, outer SGD lr 1.0, top-k 2-bit pseudo-gradients with
-# error feedback on 1/32 of the entries (111x fewer bytes than fp32). They were measured at H = 10 on a 1M-parameter
-# model; H = 50 here keeps the exchange far below one step of compute (the plan below).
+# The product's DiLoCoX defaults (docs/convergence.md): H ramped from 1 over the first 600
+# iterations, one-step-delay overlap with the average landing one inner step into the next round,
+# outer SGD lr 1.7 warmed up from 1 over the first 600 iterations, top-k 2-bit pseudo-gradients
+# with error feedback on 1/32 of the entries (111x fewer bytes than fp32). They were measured at
+# H = 10 on a 1M-parameter model; H = 50 here keeps the exchange far below one step of compute
+# (the plan below).
 DILOCOX_ARGS=(
   --dilocox --dilocox-clusters "$CLUSTERS" --dilocox-local-steps 50
 )

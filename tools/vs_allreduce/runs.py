@@ -77,7 +77,9 @@ class Bench:
         flags += ["--dilocox-clusters", str(a.clusters), *(f.format(overlap=a.overlap_mode) for f in extra)]
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
-            for flag, value in (("--dilocox-local-steps-ramp-iters", a.local_steps_ramp_iters),
+            # A projected method runs at a fixed H: its throughput is taken from steady rounds.
+            ramp = 0 if method in self.cfg["shaped"] else a.local_steps_ramp_iters
+            for flag, value in (("--dilocox-local-steps-ramp-iters", ramp),
                                 ("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
                 if value is not None:
                     flags += [flag, str(value)]
