@@ -24,7 +24,9 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
          "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1"]  # dropout on: RNG must resume too
 VANILLA = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# Rounds of H from the start (the "ramp" run below ramps them); the outer lr's default warm-up is on.
 DILOCOX = ["--pipeline-model-parallel-size", "2", "--dilocox", "--dilocox-clusters", "2", "--dilocox-local-steps", "2",
+           "--dilocox-local-steps-ramp-iters", "0",
            "--dilocox-compression", "lowrank-quantize", "--dilocox-rank", "4", "--dilocox-error-feedback"]
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights", "--num-query-groups", "2"]
@@ -34,7 +36,9 @@ RESUMED = {"vanilla": (VANILLA, 4),
            "sync": (DILOCOX + ["--dilocox-sync-mode", "sync"], 4),
            # H = 4, the average lands 2 steps into a round: stops with round 1 in flight, not landed.
            "landing": (DILOCOX + ["--dilocox-sync-mode", "eager", "--dilocox-local-steps", "4",
-                                  "--dilocox-overlap-steps", "2"], 5)}
+                                  "--dilocox-overlap-steps", "2"], 5),
+           # H ramped over 4 iterations: boundaries after iterations 1, 2, 4, 6, 8; stops with round 3 in flight.
+           "ramp": (DILOCOX + ["--dilocox-sync-mode", "delay", "--dilocox-local-steps-ramp-iters", "4"], 3)}
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,15 @@ class Cluster:
         raise AssertionError(f"{self.name}: no such record in {timeout} s; got {self.records}")
 
 
+def _stop(clusters, log):
+    """Kills whichever of the clusters' processes still run, then closes their shared stderr log."""
+    for c in clusters:
+        if c.proc.poll() is None:
+            c.proc.kill()
+            c.proc.wait()
+    log.close()
+
+
 @pytest.fixture
 def lighthouse(monkeypatch):
     monkeypatch.setenv("RUST_LOG", "warn")  # the Lighthouse logs every quorum request at info
@@ -91,11 +100,7 @@ def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tm
         for c in (c0, c1, c2b):
             assert c.proc.wait(timeout=240) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
     finally:
-        for c in procs:
-            if c.proc.poll() is None:
-                c.proc.kill()
-                c.proc.wait()
-        log.close()
+        _stop(procs, log)
 
     print(f"a lost cluster noticed after {survivors['t'] - killed:.2f} s (heartbeat timeout {HEARTBEAT_MS} ms)")
     by_round = {}
@@ -163,11 +168,7 @@ def test_a_state_no_majority_holds_stops_its_cluster(lighthouse, tmp_path, clust
                                              *extra], log))
         codes = [w.proc.wait(timeout=240) for w in workers]
     finally:
-        for w in workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-                w.proc.wait()
-        log.close()
+        _stop(workers, log)
     stopped = [k for k, code in enumerate(codes) if code == 3]
     assert stopped == ([1] if clusters == 3 else [0, 1]), (codes, (tmp_path / "stderr.txt").read_text()[-4000:])
     for k in stopped:

@@ -56,10 +56,13 @@ def digest(tensors):
 
 # Outer Nesterov with momentum (not the plain-SGD default), so the comparisons cover the momentum path.
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+# Rounds of H from the first and a constant outer lr, as the reference runs them
+# (test_local_steps_ramp and test_outer_lr_warmup check the schedules).
+FIXED = dict(local_steps_ramp_iters=0, outer_lr_warmup_iters=0)
 
 
 def config(mode, clusters=2, **kwargs):
-    return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **kwargs})
+    return DiLoCoXConfig(clusters=clusters, local_steps=H, sync_mode=mode, **{**OUTER, **FIXED, **kwargs})
 
 
 def run_reference(mode, clusters=2, rounds=ROUNDS, landing=None, compress=False, keep_unsent=False,
@@ -272,10 +275,22 @@ def scenario_overlap(rank, group):
 
 
 def scenario_resume(rank, group):
-    """delay mode: checkpoint after 2 rounds with the 2nd reduction in flight, resume, finish."""
-    counter = ByteCounter()
+    """delay mode with the outer lr warmed up over the run: uninterrupted, and checkpointed after 2
+    rounds with the 2nd reduction in flight (applied after the resume at the lr of its launch),
+    resumed and finished."""
+    warm = config("delay", outer_lr_warmup_iters=ROUNDS * H)
     params, data = toy_init(), toy_data(rank)
-    sync = OuterSync(params, group, config("delay"), slow_reducer(counter, 0.2), counter)
+    sync = OuterSync(params, group, warm)
+    for r in range(ROUNDS):
+        local_steps(params, data, H)
+        sync.step((r + 1) * H)
+    sync.finish()
+    sync.close()
+    uninterrupted = params
+
+    counter = ByteCounter()
+    params = toy_init()
+    sync = OuterSync(params, group, warm, slow_reducer(counter, 0.2), counter)
     for r in range(2):
         local_steps(params, data, H)
         sync.step((r + 1) * H)
@@ -287,7 +302,7 @@ def scenario_resume(rank, group):
     buf.seek(0)
     ckpt = torch.load(buf)
     params = [p.clone() for p in ckpt["params"]]
-    sync = OuterSync(params, group, config("delay"))
+    sync = OuterSync(params, group, warm)
     sync.load_state_dict(ckpt["outer"])
     for r in range(2, ROUNDS):
         local_steps(params, data, H)
@@ -295,7 +310,7 @@ def scenario_resume(rank, group):
     sync.finish()
     sync.close()
     return dict(was_inflight=was_inflight, had_pending=ckpt["outer"]["pending_grad"] is not None,
-                params=params)
+                params=params, uninterrupted=uninterrupted)
 
 
 def _scenarios(rank, group):
@@ -473,7 +488,7 @@ def test_resume_with_round_in_flight_matches_uninterrupted(ranks):
     for rank in ranks:
         res = rank["resume"]
         assert res["was_inflight"] and res["had_pending"]
-        for p, q in zip(res["params"], rank["modes"]["delay"]["params"]):
+        for p, q in zip(res["params"], res["uninterrupted"]):
             assert torch.equal(p, q)
 
 
@@ -610,7 +625,7 @@ def test_outer_lr_warmup():
     assert up.outer_lr_at(599) < 1.4
     down = DiLoCoXConfig(outer_lr=0.6, outer_lr_warmup_iters=100)
     assert [down.outer_lr_at(i) for i in (0, 50, 100)] == pytest.approx([1.0, 0.8, 0.6])
-    assert [DiLoCoXConfig(outer_lr=1.4).outer_lr_at(i) for i in (0, 7)] == [1.4, 1.4]
+    assert [DiLoCoXConfig(outer_lr=1.4, outer_lr_warmup_iters=0).outer_lr_at(i) for i in (0, 7)] == [1.4, 1.4]
     with pytest.raises(ValueError, match="--dilocox-outer-lr-warmup-iters must be >= 0"):
         DiLoCoXConfig(outer_lr_warmup_iters=-1).validate()
 
@@ -620,8 +635,42 @@ def test_local_steps_ramp():
     rounds it adds over a run follow the harmonic sum in the flag's help."""
     ramp = DiLoCoXConfig(local_steps=10, local_steps_ramp_iters=300)
     assert [ramp.local_steps_at(i) for i in (0, 29, 30, 59, 60, 269, 270, 299, 300, 5000)] == [1, 1, 2, 2, 3, 9, 10, 10, 10, 10]
-    assert [DiLoCoXConfig(local_steps=10).local_steps_at(i) for i in (0, 7)] == [10, 10]
+    assert [DiLoCoXConfig(local_steps=10, local_steps_ramp_iters=0).local_steps_at(i) for i in (0, 7)] == [10, 10]
     boundary, rounds = 0, 0
     while boundary < 1400:
         boundary, rounds = boundary + ramp.local_steps_at(boundary), rounds + 1
     assert rounds - 140 == 59 and abs(59 - 300 / 10 * sum(1 / h for h in range(2, 11))) < 2
+
+
+def test_a_joiner_applies_the_round_at_its_peers_outer_lr():
+    """A restarted replica joins within a round its live peer launched: it takes the peer's global
+    parameters and outer state and applies that round as the peer does, with the outer lr of the
+    peer's iteration under the warm-up (not of its own), ending bit-identical to the peer."""
+    cfg = config("sync", clusters=1, outer_lr=1.6, outer_lr_warmup_iters=5 * H)
+    served, reduced = {}, []
+
+    def peer_reducer(tensors, group):
+        if len(reduced) == 2:  # the peer's third round, in flight: what it serves to a joiner
+            served.update(peer.serve())
+        reduced.append(tensors[0].clone())
+        return tensors
+
+    data = toy_data(0)
+    peer = OuterSync(toy_init(), None, cfg, peer_reducer)
+    for r in range(3):
+        local_steps(peer.params, data, H)
+        peer.step((r + 1) * H)
+
+    def joiner_reducer(tensors, group):
+        joiner.join(served)
+        return [reduced[2].clone()]  # the round's average, as the peer reduced it
+
+    joiner = OuterSync(toy_init(), None, cfg, joiner_reducer)
+    local_steps(joiner.params, toy_data(1), H)
+    joiner.step(H)  # its own first boundary, while the peer is at its third
+    assert joiner.joined_at == 3 * H and joiner.outer_step == peer.outer_step
+    assert torch.equal(joiner.base, peer.base)
+    assert all(torch.equal(p, q) for p, q in zip(joiner.params, peer.params))
+    joiner.close()
+    peer.close()
+

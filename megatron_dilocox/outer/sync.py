@@ -379,6 +379,7 @@ class OuterSync:
             "round_start": self.round_start,
             "optimizer": self.optimizer.state_dict(),
             "pending_grad": None if result is None else result.grad,
+            "launched": dict(self._launched),  # the pending round's outer lr follows from it
         }
 
     @torch.no_grad()
@@ -416,6 +417,7 @@ class OuterSync:
             self.base.copy_(state["base"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = int(state["outer_step"])
+        self._launched = {k: int(v) for k, v in state["launched"].items()}
         self._landed = None  # what an earlier run applied; this one reports only its own exchanges
         g = state["pending_grad"]
         if g is not None:
@@ -490,7 +492,8 @@ class OuterSync:
         self.base.copy_(state["base"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_step = int(state["outer_step"])
-        self.joined_at = int(state["iteration"])
+        self._launched = {"outer_step": self.outer_step, "iteration": int(state["iteration"])}  # the peer's round
+        self.joined_at = self._launched["iteration"]
         self._stale = True
 
     def _apply(self, g: torch.Tensor, finite: bool) -> bool:
