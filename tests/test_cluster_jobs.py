@@ -172,9 +172,10 @@ def test_a_restarted_cluster_rejoins_from_a_live_peer(tmp_path):
     assert restarted[:2] == rounds[:2] and restarted[3:] == [(it, n) for it, n in rounds if it >= back]
     assert restarted[2] == (back - 5, 1), restarted
     # From the join on both clusters hold the same global parameters, on both stages, and
-    # evaluate the same batches: the same validation losses (at 60, the join's own iteration, and 120).
+    # evaluate the same batches: the same validation losses (at 60 only if it was back by then,
+    # which a loaded machine can delay past it; at 120 always).
     vals = [[(r["iteration"], r["val_loss"]) for r in m if "val_loss" in r] for m in metrics]
-    assert vals[0] == vals[1] and [it for it, _ in vals[0]] == [60, 120], vals
+    assert [it for it, _ in vals[0]] == [60, 120] and vals[1] and vals[1] == vals[0][-len(vals[1]):], vals
 
 
 def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):

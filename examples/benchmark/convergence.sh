@@ -11,7 +11,8 @@
 #   STUDY=outer-lr bash examples/benchmark/convergence.sh        # outer lr 1.4 under the ramp, three seeds
 #   STUDY=outer-warmup SEEDS=1 bash examples/benchmark/convergence.sh  # the outer lr warmed up over the ramp
 #   STUDY=outer-warmup-2 bash examples/benchmark/convergence.sh  # outer lr 1.7 and 2.0 warmed up, three seeds
-#   STUDY=clusters CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -188,15 +189,14 @@ case "$STUDY" in
     else
       METHODS+=(--method "$NEW_NAME=$NEW" "${LR2[@]}")
     fi ;;
-  clusters)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4): AllReduce over 4 ranks, the same global batch
-    RAMP="--dilocox-local-steps-ramp-iters 600"
+  clusters|size)  # the acceptance comparison at C = 4 (CLUSTERS=4 OUT=runs/convergence/c4: AllReduce
+    # over 4 ranks, the same global batch), or on a larger model (LAYERS=6 HIDDEN=256 ITERS=1400
+    # OUT=runs/convergence/size4x), with AllReduce at the study's best lr only
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
-             --compare "sync fp32 inner 4e-3 H ramp 600"
-             --method "sync fp32 inner 4e-3 H ramp 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP") ;;
+             --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, size or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
