@@ -95,3 +95,38 @@ def read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def read_wandb(folder) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
+    """The one offline W&B run under ``folder`` (a run's ``--wandb-save-dir``), read back from its
+    ``.wandb`` file: (its config, {key: [(step, value), ...]} of every logged number in the order
+    logged). The file is W&B's record log (LevelDB's log format: a 7-byte file header, 32 KiB
+    blocks, each chunk a 4-byte checksum, 2-byte length and 1-byte type before its bytes) of
+    W&B's own protobuf ``Record`` messages; wandb 0.31 ships no reader of its own."""
+    import json
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(folder).glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run log"
+    block, pos, chunks, config, history = 32768, 7, [], {}, {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunks.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind not in (1, 4):  # FIRST and MIDDLE chunks of a record that goes on
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(b"".join(chunks))
+        chunks = []
+        if record.WhichOneof("record_type") == "run":
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+        elif record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):  # W&B's own _step, _runtime, _timestamp
+                    history.setdefault(key, []).append((record.history.step.num, json.loads(item.value_json)))
+    return config, history

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from launch import REPO, read_jsonl, read_tensorboard, torchrun, worker_env
+from launch import REPO, read_jsonl, read_tensorboard, read_wandb, torchrun, worker_env
 
 from megatron_dilocox.payload import HANDSHAKE_BYTES
 from tools.fault_soak import cluster_workers
@@ -45,7 +45,9 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     out, _ = jobs.communicate(timeout=900)
     assert jobs.returncode == 0, out[-6000:]
     torchrun(4, REPO / "pretrain_gpt.py", flags + ["--dilocox-clusters", "2", "--tensorboard-dir", str(tmp_path / "tb"),
-                                                   "--metrics-file", str(tmp_path / "world.jsonl")], timeout=900)
+                                                   "--wandb-project", "tests", "--wandb-save-dir", str(tmp_path),
+                                                   "--metrics-file", str(tmp_path / "world.jsonl")],
+             timeout=900, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     world = read_jsonl(tmp_path / "world.jsonl")  # written by the world's last rank: cluster 1's last stage
     cluster1 = read_jsonl(tmp_path / "jobs.cluster-1.jsonl")
     cluster0 = read_jsonl(tmp_path / "jobs.jsonl")
@@ -62,10 +64,17 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     assert any(r.get("bytes_sent") for r in world) and any("val_loss" in r for r in world)
     assert [r["val_loss"] for r in cluster0 if "val_loss" in r] == [r["val_loss"] for r in world if "val_loss" in r]
     assert "cross-cluster bytes between boundaries: 0 |" in out
-    # TensorBoard gets every round's fields under "dilocox/" (the drain's too), as the metrics file has them.
+    # TensorBoard and W&B get every round's fields under "dilocox/", the drain's under
+    # "dilocox/drain/", as the metrics file has them (TensorBoard in float32).
     board, rounds = read_tensorboard(tmp_path / "tb"), [r for r in world if "outer_step" in r]
-    for key in ("bytes_sent", "pseudo_grad_norm", "outer_step", "participants"):
-        assert board[f"dilocox/{key}"] == [(r["iteration"], pytest.approx(r[key], rel=1e-6)) for r in rounds], key
+    _, history = read_wandb(tmp_path)
+    for prefix, records in (("dilocox/", [r for r in rounds if not r.get("drain")]),
+                            ("dilocox/drain/", [r for r in rounds if r.get("drain")])):
+        assert records
+        for key in ("bytes_sent", "pseudo_grad_norm", "outer_step", "participants"):
+            tag = prefix + key
+            assert board[tag] == [(r["iteration"], pytest.approx(r[key], rel=1e-6)) for r in records], tag
+            assert history[tag] == [(r["iteration"], r[key]) for r in records], tag
 
 
 def follow(jobs, kills):

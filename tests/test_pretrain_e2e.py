@@ -1,11 +1,11 @@
 """A 4-process TP2/PP2 run on a dataset made with the tools learns, its metrics file is JSON lines,
-and TensorBoard gets the same numbers under Megatron-LM's tags."""
+and TensorBoard and W&B (offline) get the same numbers under Megatron-LM's tags."""
 
 import math
 
 import pytest
 
-from launch import REPO, read_jsonl, read_tensorboard, torchrun
+from launch import REPO, read_jsonl, read_tensorboard, read_wandb, torchrun
 
 
 def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
@@ -18,7 +18,9 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
         "--data-path", str(tiny_dataset / "c_text_document"), "--tokenizer-model", str(tiny_dataset / "sp.model"),
         "--data-cache-path", str(tmp_path / "cache"), "--split", "95,5,0",
         "--log-interval", "20", "--eval-interval", "20", "--eval-iters", "4", "--metrics-file", str(metrics),
-        "--tensorboard-dir", str(tmp_path / "tb")])
+        "--tensorboard-dir", str(tmp_path / "tb"),
+        "--wandb-project", "tests", "--wandb-exp-name", "tp2-pp2", "--wandb-save-dir", str(tmp_path)],
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     records = read_jsonl(metrics)
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -49,3 +51,12 @@ def test_tp2_pp2_lowers_validation_loss(tiny_dataset, tmp_path):
     assert board["batch-size"] == [(r["iteration"], 16) for r in train]
     assert [step for step, _ in board["iteration-time"]] == [r["iteration"] for r in train]
     assert board["tokens_per_sec"] == [(r["iteration"], pytest.approx(r["tokens_per_sec"], rel=1e-6)) for r in train]
+    # W&B, read back from the offline run's log: the same tags at full precision, and the flags.
+    config, history = read_wandb(tmp_path)
+    assert (config["train_iters"], config["tensor_model_parallel_size"], config["wandb_exp_name"]) == (200, 2, "tp2-pp2")
+    for key, tag, records in (("lm_loss", "lm loss", train), ("lr", "learning-rate", train),
+                              ("grad_norm", "grad-norm", train), ("tokens_per_sec", "tokens_per_sec", train),
+                              ("val_loss", "lm loss validation", evals), ("val_ppl", "lm loss validation ppl", evals)):
+        assert history[tag] == [(r["iteration"], r[key]) for r in records], tag
+    assert history["batch-size"] == [(r["iteration"], 16) for r in train]
+    assert not any(tag.endswith(" vs samples") for tag in history)  # TensorBoard's alone, as in Megatron-LM

@@ -15,7 +15,7 @@ from megatron_dilocox.training.round_record import OuterRound
 
 # TensorBoard and W&B tags: Megatron-LM's names (its training.py) for what both log, so that
 # dashboards built on Megatron-LM runs read ours; other fields keep their metrics-file names,
-# DiLoCoX's round fields under "dilocox/".
+# DiLoCoX's round fields under "dilocox/" (the drain's at the end under "dilocox/drain/").
 MEGATRON_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm",
                  "global_batch_size": "batch-size", "iteration_time_s": "iteration-time",
                  "val_loss": "lm loss validation", "val_ppl": "lm loss validation ppl"}
@@ -127,7 +127,9 @@ class MetricsLogger:
                f" rel. error: {c.rel_error:.3f} | mean rank: {c.mean_rank:.2f} | codec (s): {c.codec_s:.3f} |"
                if c is not None else "")
             + (" SKIPPED (non-finite) |" if r.skipped else ""))
-        self._record(r.metrics(), prefix="dilocox/")
+        # The drain shares its iteration with the last round: its own tags, or W&B (one value
+        # per tag and step) would keep only one of the two.
+        self._record(r.metrics(), prefix="dilocox/drain/" if r.drain else "dilocox/")
 
     def close(self):
         if self.metrics_file:
