@@ -13,6 +13,7 @@
 #   STUDY=outer-warmup-2 bash examples/benchmark/convergence.sh  # outer lr 1.7 and 2.0 warmed up, three seeds
 #   STUDY=clusters CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-outer-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -202,9 +203,13 @@ case "$STUDY" in
     for LR in 2.4 3.1 4.0; do
       METHODS+=(--method "${NEW_NAME/outer lr 1.7/outer lr $LR}=$NEW --dilocox-outer-lr $LR")
     done ;;
+  clusters-seeds)  # C = 4: the defaults against outer lr 3.1 (the best of seed 1), more seeds
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
+             --method "${NEW_NAME/outer lr 1.7/outer lr 3.1}=$NEW --dilocox-outer-lr 3.1") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, size or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, size or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
