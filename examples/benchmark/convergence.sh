@@ -14,6 +14,7 @@
 #   STUDY=clusters CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-outer-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -207,9 +208,19 @@ case "$STUDY" in
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "${NEW_NAME/outer lr 1.7/outer lr 3.1}=$NEW --dilocox-outer-lr 3.1") ;;
+  clusters-levers)  # C = 4, seed 1: around outer lr 3.1, the inner lr for the 8-sequence cluster batch
+    # and how fast the outer lr reaches 3.1 (the gap is made in the ramp's first rounds)
+    O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
+    O31="$NEW --dilocox-outer-lr 3.1"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$O31_NAME=$O31" --compare "$O31_NAME"
+             --method "${O31_NAME/inner 4e-3/inner 3e-3}=$O31 --lr 3e-3 --min-lr 3e-4"
+             --method "${O31_NAME/inner 4e-3/inner 6e-3}=$O31 --lr 6e-3 --min-lr 6e-4"
+             --method "${O31_NAME/warm-up 600/warm-up 300}=$O31 --dilocox-outer-lr-warmup-iters 300"
+             --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, size or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, size or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
