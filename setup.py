@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (Python 3.11), 0.19.2 (3.12)
         "numpy",
         "sentencepiece",
         "psutil",  # megatron.core.dist_checkpointing needs it but does not declare it

@@ -181,8 +181,10 @@ def test_each_source_reads_its_places(tmp_path):
     assert f"torch: installed nothing, the corpus list says {corpus_distributions()['torch']}" in mismatches
     assert not any(m.startswith("extra-pkg") for m in mismatches)
     # The pinned environment (constraints-cpu.txt) holds the list's versions: a bump there changes
-    # the corpus, and the list (and docs/data.md's figures) must follow.
-    assert distribution_mismatches() == []
+    # the corpus, and the list (and docs/data.md's figures) must follow. The pinned corpus is
+    # Python 3.11's (on 3.12 the standard library, torch and megatron-core differ).
+    if sys.version_info[:2] == (3, 11):
+        assert distribution_mismatches() == []
     everything = "".join(docs["stdlib+site-packages"])
     assert "skipped" not in everything and "Not the stdlib" not in everything
     assert "Cache." not in everything and "/abs/checkout" not in everything

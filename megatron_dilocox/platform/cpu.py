@@ -90,9 +90,25 @@ _CPU_TORCH = _CpuTorch()
 _installed = False
 
 # megatron-core announces its pure-torch fallbacks at import, once per module and process: expected
-# without Transformer Engine and apex (always on CPU), and nothing the user can act on.
+# without Transformer Engine and apex (always on CPU), and nothing the user can act on; 0.19 also
+# calls its multimodal config experimental at import.
 _FALLBACK_WARNINGS = (r"Apex is not installed", r"Transformer Engine and Apex are not installed",
-                      r"full scope is deprecated")
+                      r"full scope is deprecated", r"MimoModelConfig is experimental")
+# Log records of the same kind, by logger: megatron-core 0.19 deprecates GPTModel (the model this
+# package builds) and the synchronous save path its own save takes, and torch's CUDA build on a
+# machine without a GPU says that it found no CUDA runtime.
+_FALLBACK_LOG_RECORDS = {
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+
+
+def _lacks(message: str, record: logging.LogRecord) -> bool:
+    return message not in record.getMessage()
+
+
+_LOG_FILTERS = {logger: functools.partial(_lacks, message) for logger, message in _FALLBACK_LOG_RECORDS.items()}
 # Advice for CUDA streams, given for every tensor-parallel layer.
 _CUDA_ONLY_WARNINGS = (r"When using async grad allreduce it is recommended to set the environment variable "
                        r"CUDA_DEVICE_MAX_CONNECTIONS",)
@@ -100,10 +116,12 @@ NOTE = "> CPU: gloo process groups, megatron-core's local layer spec and its tor
 
 
 def quiet_fallback_warnings() -> None:
-    """Silences megatron-core's warnings about missing Transformer Engine and apex: call before
-    megatron-core is imported."""
+    """Silences megatron-core's notices about missing Transformer Engine and apex and its
+    deprecations of what this package uses: call before megatron-core is imported."""
     for message in _FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    for logger, record_filter in _LOG_FILTERS.items():
+        logging.getLogger(logger).addFilter(record_filter)  # once: addFilter skips a filter it holds
 
 
 def _cpu_tensor_type(original):
