@@ -20,6 +20,8 @@ of the bytes of fp32."""
 
 DEFAULT_RAMP_ITERS = 600
 """``--dilocox-local-steps-ramp-iters`` when not given (and H not adaptive)."""
+OUTER_LR_PER_CLUSTER = 0.7
+"""The default outer lr's growth per cluster beyond the first (:attr:`DiLoCoXConfig.peak_outer_lr`)."""
 
 DEFAULT_OVERLAP_STEPS = 1
 """``--dilocox-overlap-steps`` when not given: the average lands one inner step into the next
@@ -89,13 +91,16 @@ class DiLoCoXConfig:
     exchange has not finished within these steps, training waits for it (the round's ``wait_s``;
     tools/plan.py shows whether it hides)."""
 
-    outer_lr: float = 1.7
-    """Outer SGD learning rate.
+    outer_lr: float | None = None
+    """Outer SGD learning rate (default 1 + 0.7 (C - 1): 1.7 at 2 clusters, 3.1 at 4).
 
-    1.7 without momentum, warmed up from 1 (:attr:`outer_lr_warmup_iters`), by measurement at
-    H = 10 with the H ramp (docs/convergence.md): the replicas' averaged progress is shorter than
-    either's where they disagree, and a longer step restores it; without the warm-up 1.7 lost
-    from the first rounds on. Outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled)."""
+    Without momentum, warmed up from 1 (:attr:`outer_lr_warmup_iters`), by measurement at H = 10
+    with the H ramp (docs/convergence.md): the replicas' averaged progress is shorter than
+    either's where they disagree, the more so the more replicas are averaged, and a longer step
+    restores it. The best measured: 1.7-2.0 at C = 2, 3.1-4.0 at C = 4 (3.1 2.5% below 1.7 there
+    over three seeds); the default is the line through 1.7 and 3.1, 1 (the replica itself) at
+    C = 1, an extrapolation above 4 clusters. Without the warm-up 1.7 lost from the first rounds
+    on. Outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled). None: :attr:`peak_outer_lr`."""
 
     outer_lr_warmup_iters: int = 600
     """Grow the outer lr linearly from 1 (the plain average) to --dilocox-outer-lr over the
@@ -155,11 +160,19 @@ class DiLoCoXConfig:
             return self.local_steps
         return min(self.local_steps, 1 + self.local_steps * iteration // self.ramp_iters)
 
+    @property
+    def peak_outer_lr(self) -> float:
+        """The outer lr after the warm-up: :attr:`outer_lr`, or when not given
+        ``1 + OUTER_LR_PER_CLUSTER * (clusters - 1)``."""
+        if self.outer_lr is not None:
+            return self.outer_lr
+        return 1.0 + OUTER_LR_PER_CLUSTER * (self.clusters - 1)
+
     def outer_lr_at(self, iteration: int) -> float:
         """Outer lr of the round that ends at ``iteration`` (:attr:`outer_lr_warmup_iters`)."""
         if iteration >= self.outer_lr_warmup_iters:
-            return self.outer_lr
-        return 1.0 + (self.outer_lr - 1.0) * iteration / self.outer_lr_warmup_iters
+            return self.peak_outer_lr
+        return 1.0 + (self.peak_outer_lr - 1.0) * iteration / self.outer_lr_warmup_iters
 
     @property
     def use_nesterov(self) -> bool:
@@ -202,7 +215,7 @@ class DiLoCoXConfig:
                                  f"got {self.sync_mode}")
             if self.overlap_steps < 1:
                 raise ValueError(f"--dilocox-overlap-steps must be >= 1, got {self.overlap_steps}")
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+        if self.outer_lr is not None and not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ValueError(f"--dilocox-outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(

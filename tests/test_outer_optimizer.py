@@ -72,7 +72,12 @@ def test_config_defaults_are_valid():
     cfg = DiLoCoXConfig()
     cfg.validate()
     assert (cfg.clusters, cfg.local_steps, cfg.sync_mode, cfg.landing) == (2, 20, "delay", 1)
-    assert (cfg.outer_lr, cfg.outer_lr_warmup_iters, cfg.outer_momentum, cfg.use_nesterov) == (1.7, 600, 0.0, False)
+    assert (cfg.peak_outer_lr, cfg.outer_lr_warmup_iters, cfg.outer_momentum, cfg.use_nesterov) == (1.7, 600, 0.0, False)
+    # The default outer lr grows with the clusters averaged (1 + 0.7 (C - 1)); a given one is kept.
+    assert [DiLoCoXConfig(clusters=c).peak_outer_lr for c in (1, 2, 3, 4)] == pytest.approx([1.0, 1.7, 2.4, 3.1])
+    assert DiLoCoXConfig(clusters=4, outer_lr=1.7).peak_outer_lr == 1.7
+    four = DiLoCoXConfig(clusters=4)
+    assert [four.outer_lr_at(i) for i in (0, 300, 600, 900)] == pytest.approx([1.0, 2.05, 3.1, 3.1])
     assert cfg.ramp_iters == 600 and [cfg.local_steps_at(i) for i in (0, 30, 599, 600)] == [1, 2, 20, 20]
     adaptive = DiLoCoXConfig(max_local_steps=40)
     adaptive.validate()  # adaptive H sets H itself: no ramp unless asked for (which it refuses)

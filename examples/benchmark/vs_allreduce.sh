@@ -16,7 +16,7 @@ RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
 # The product's defaults unless given: H ramped from 1 over the first 600 iterations (the
-# projected uncompressed rows run without it), outer SGD lr 1.7 without momentum warmed up from 1
+# projected uncompressed rows run without it), outer SGD lr 1.7 (at 2 clusters) without momentum warmed up from 1
 # over 600 iterations, `delay` with the average landing one step into the next round, topk
 # (density 1/32, 2-bit values, error feedback) with the residual flushed at the end
 # (docs/convergence.md). E.g. OVERLAP=eager CODEC="--dilocox-compression

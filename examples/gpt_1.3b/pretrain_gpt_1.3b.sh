@@ -49,7 +49,7 @@ EVAL_AND_LOGGING_ARGS=(
 )
 # The product's DiLoCoX defaults (docs/convergence.md): H ramped from 1 over the first 600
 # iterations, one-step-delay overlap with the average landing one inner step into the next round,
-# outer SGD lr 1.7 warmed up from 1 over the first 600 iterations, top-k 2-bit pseudo-gradients
+# outer SGD warmed up from 1 over the first 600 iterations to 1.7 (3.1 with CLUSTERS=4), top-k 2-bit pseudo-gradients
 # with error feedback on 1/32 of the entries (111x fewer bytes than fp32). They were measured at
 # H = 10 on a 1M-parameter model; H = 50 here keeps the exchange far below one step of compute
 # (the plan below).

@@ -215,7 +215,7 @@ class OuterSync:
         own_start = self._carry or unsent is not None
         self.round_start = self._state_tensor(self.base, copy=True) if own_start else self.base
         self.optimizer = OuterNesterov(
-            [self.base], config.outer_lr, config.outer_momentum, config.use_nesterov
+            [self.base], config.peak_outer_lr, config.outer_momentum, config.use_nesterov
         )
         self.outer_step = 0
         self._iteration = 0
