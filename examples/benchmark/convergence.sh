@@ -209,7 +209,8 @@ case "$STUDY" in
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "${NEW_NAME/outer lr 1.7/outer lr 3.1}=$NEW --dilocox-outer-lr 3.1") ;;
   clusters-levers)  # C = 4, seed 1: around outer lr 3.1, the inner lr for the 8-sequence cluster batch
-    # and how fast the outer lr reaches 3.1 (the gap is made in the ramp's first rounds)
+    # and how fast the outer lr reaches 3.1 (the gap is made in the ramp's first rounds); blocking
+    # fp32 DiLoCo on the same schedule separates the codec and the overlap from the averaging
     O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
     O31="$NEW --dilocox-outer-lr 3.1"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
@@ -217,7 +218,8 @@ case "$STUDY" in
              --method "${O31_NAME/inner 4e-3/inner 3e-3}=$O31 --lr 3e-3 --min-lr 3e-4"
              --method "${O31_NAME/inner 4e-3/inner 6e-3}=$O31 --lr 6e-3 --min-lr 6e-4"
              --method "${O31_NAME/warm-up 600/warm-up 300}=$O31 --dilocox-outer-lr-warmup-iters 300"
-             --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0") ;;
+             --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0"
+             --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
   *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, size or batch, got $STUDY" >&2; exit 2 ;;
