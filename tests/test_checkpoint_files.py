@@ -96,3 +96,11 @@ def test_retention_keeps_the_newest_and_the_tracked(tmp_path):
     assert files.prune(tmp_path, 2) == [files.iteration_dir(tmp_path, 3)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["iter_0000002", "iter_0000004", "iter_0000005"]
     assert files.latest(tmp_path) == files.iteration_dir(tmp_path, 2)
+    # A folder without a manifest is not ours (Megatron-LM's iterations beside ours): never deleted.
+    foreign = files.iteration_dir(tmp_path, 0)
+    foreign.mkdir()
+    (foreign / files.FOREIGN_DIST_METADATA).write_text('{"sharded_backend": "torch_dist"}')
+    assert files.prune(tmp_path, 1) == [files.iteration_dir(tmp_path, 4)] and foreign.is_dir()
+    with pytest.raises(CheckpointError, match=r"iter_0000000: a Megatron-LM distributed checkpoint \(it has metadata\.json, "
+                                              r"no manifest\.json\); --load reads only this package's checkpoints"):
+        files.read_manifest(foreign)

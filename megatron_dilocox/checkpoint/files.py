@@ -38,6 +38,8 @@ DIGEST = MANIFEST + ".sha256"
 LOCK = "run.lock"
 NOT_LISTED = "not listed in the manifest (written by another run?)"
 FORMAT = "megatron-dilocox/1"
+# megatron-core's dist-checkpoint marker: at the top of a Megatron-LM iteration folder (ours keep it in model/).
+FOREIGN_DIST_METADATA = "metadata.json"
 
 
 def iteration_dir(root, iteration: int) -> Path:
@@ -139,6 +141,9 @@ def read_manifest(folder) -> dict:
     """The manifest of a checkpoint folder, checked against its digest file."""
     path, digest = Path(folder) / MANIFEST, Path(folder) / DIGEST
     if not path.is_file():
+        if (Path(folder) / FOREIGN_DIST_METADATA).is_file():
+            raise CheckpointError(f"{folder}: a Megatron-LM distributed checkpoint (it has {FOREIGN_DIST_METADATA}, "
+                                  f"no {MANIFEST}); --load reads only this package's checkpoints")
         raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
     if not digest.is_file():
         raise CheckpointError(f"{digest}: missing (the manifest cannot be checked)")
@@ -182,8 +187,10 @@ def check_listed(folder, manifest: dict) -> None:
 
 
 def _published(root: Path) -> list[int]:
-    """Iterations of the published checkpoint folders in ``root``, ascending."""
-    return sorted(int(p.name[5:]) for p in root.iterdir() if p.is_dir() and re.fullmatch(r"iter_\d{7}", p.name))
+    """Iterations of the published checkpoint folders in ``root``, ascending: those with a
+    manifest (a folder without one, e.g. Megatron-LM's in the same directory, is not ours)."""
+    return sorted(int(p.name[5:]) for p in root.iterdir()
+                  if re.fullmatch(r"iter_\d{7}", p.name) and (p / MANIFEST).is_file())
 
 
 def prune(root, keep: int) -> list[Path]:
