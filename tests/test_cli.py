@@ -26,6 +26,14 @@ def test_sourcing_setup_env_keeps_the_callers_shell_options():
     assert proc.stdout.splitlines() == ["status 0 args a b", "options kept", f"{sys.prefix}/bin/python"], proc.stderr
 
 
+def test_a_relative_venv_is_made_absolute():
+    """VENV=.venv-py312 (README's form) from the repo root: PATH gets the absolute folder, so that
+    python and sys.executable keep working from any directory."""
+    parent, name = os.path.split(sys.prefix)
+    proc = _bash(f'cd "{parent}" && source "{REPO}/tools/setup_env.sh" && cd / && command -v python', VENV=name)
+    assert proc.stdout.splitlines() == [f"{sys.prefix}/bin/python"], proc.stderr
+
+
 def test_setup_env_failures_stay_fatal_under_set_e(tmp_path):
     broken = dict(VENV=str(tmp_path / "venv"), PYTHON="false")  # creating the venv fails
     proc = _bash("set -euo pipefail; source tools/setup_env.sh; echo not reached", **broken)

@@ -7,6 +7,9 @@
 # caller running under `set -e` (the quickstart, the test runner).
 _setup_env_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _setup_env_venv="${VENV:-$_setup_env_root/.venv}"
+# A relative VENV (VENV=.venv-py312) is taken from the caller's directory and made absolute, so
+# that PATH (and sys.executable in what runs from it) does not depend on the directory later.
+case "$_setup_env_venv" in /*) ;; *) _setup_env_venv="$PWD/$_setup_env_venv" ;; esac
 (
   set -euo pipefail
   ROOT=$_setup_env_root
