@@ -1,7 +1,7 @@
 """One single-rank cluster in the fault tests of the exchange between clusters (test_cluster_exchange.py).
 
     python tests/cluster_worker.py CLUSTER CLUSTERS ROUNDS LIGHTHOUSE [--corrupt-round R] [--inner-s S]
-        [--hold-round R --hold-file PATH] [--diverge-round R]
+        [--hold-round R --hold-file PATH] [--diverge-round R] [--freeze-round R] [--failure-timeout-s S]
 
 Every round it sends a framed fp32 "pseudo-gradient" drawn from (cluster, round), adds the mean of
 the delivered ones to its "global parameters" ``w`` and prints one JSON line: the round, the
@@ -11,11 +11,15 @@ are committed (a restarted cluster takes its peers' count when it heals). ``--ho
 before that round until ``--hold-file`` exists (so that survivors are still running when a
 restarted cluster has finished its imports). ``--diverge-round`` changes one entry of ``w``
 before that round (a state no other cluster holds); a StateDivergedError prints
-``{"event": "diverged", ...}`` and exits with status 3.
+``{"event": "diverged", ...}`` and exits with status 3. ``--freeze-round`` stops the process
+(SIGSTOP, heartbeats included) inside that round's exchange, after it joined the quorum: a peer
+that hangs mid-round.
 """
 import argparse
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,6 +60,8 @@ def main() -> None:
     p.add_argument("--hold-round", type=int, default=-1)
     p.add_argument("--hold-file", type=Path)
     p.add_argument("--diverge-round", type=int, default=-1)
+    p.add_argument("--freeze-round", type=int, default=-1)
+    p.add_argument("--failure-timeout-s", type=float, default=30.0)
     a = p.parse_args()
 
     w = torch.zeros(NUMEL)
@@ -66,7 +72,7 @@ def main() -> None:
         healed_from["digest"] = digest(w)
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # the cluster's own store
-    ex = ClusterExchange(ExchangeConfig(a.lighthouse, cluster_index=a.cluster, failure_timeout_s=30.0), a.clusters,
+    ex = ClusterExchange(ExchangeConfig(a.lighthouse, cluster_index=a.cluster, failure_timeout_s=a.failure_timeout_s), a.clusters,
                          rank=0, world_size=1, store_addr="localhost", store_port=store.port,
                          state_dict=lambda: {"w": w.clone()}, load_state_dict=load_state_dict)
     print(json.dumps(dict(event="up", cluster=a.cluster)), flush=True)
@@ -79,6 +85,9 @@ def main() -> None:
             payload[-1] ^= 0x5A  # a bit flip in the body: the checksum must catch it
         if rnd == a.diverge_round:
             w[0] += 0.5
+        if rnd == a.freeze_round:
+            allgather = ex.pg.allgather
+            ex.pg.allgather = lambda *args: (os.kill(os.getpid(), signal.SIGSTOP), allgather(*args))[1]
         # The fingerprint of w: after a heal the restarted cluster's must equal everyone's again.
         try:
             got = ex.exchange(payload, verify=lambda c, r, body: wire.unframe(body, header(c, r)),

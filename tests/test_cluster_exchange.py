@@ -133,6 +133,27 @@ def test_a_lost_cluster_costs_its_round_and_rejoins_bit_identical(lighthouse, tm
         assert cluster_worker.digest(w) == by_round[rnd][0]["digest"], rnd
 
 
+def test_a_cluster_frozen_inside_a_round_costs_its_survivor_one_attempt(lighthouse, tmp_path):
+    """Cluster 1 stops (SIGSTOP) inside round FREEZE's exchange, after it joined the quorum: cluster
+    0's all-gather waits out the failure timeout, and the next quorum, formed once the Lighthouse
+    has missed cluster 1's heartbeats, gets a window of its own: cluster 0 commits that round alone
+    and finishes (it had raised ClusterLossError, with the whole timeout spent in the all-gather)."""
+    timeout = ["--failure-timeout-s", "8"]
+    log = open(tmp_path / "stderr.txt", "w")
+    procs = []
+    try:
+        c0 = Cluster("c0", ["0", "2", "5", lighthouse, *timeout], log)
+        c1 = Cluster("c1", ["1", "2", "5", lighthouse, *timeout, "--freeze-round", str(DIVERGE)], log)
+        procs += [c0, c1]
+        assert c0.proc.wait(timeout=240) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
+    finally:
+        _stop(procs, log)
+    rounds = c0.rounds()
+    assert [r["round"] for r in rounds] == list(range(5))
+    assert [r["clusters"] for r in rounds] == [[0, 1]] * DIVERGE + [[0]] * (5 - DIVERGE)
+    assert rounds[DIVERGE]["attempts"] >= 2 and rounds[DIVERGE]["seconds"] >= 8
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(cluster_index=3), "--dilocox-cluster-index in 0..2, got 3"),
     (dict(cluster_index=None), "--dilocox-cluster-index in 0..2, got None"),

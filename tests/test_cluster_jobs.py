@@ -204,8 +204,8 @@ def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):
     assert "saving a checkpoint before stopping" not in out
     metrics = [read_jsonl(tmp_path / name) for name in ("m.jsonl", "m.cluster-1.jsonl")]
     rounds = [(r["iteration"], r["participants"]) for r in metrics[0] if "outer_step" in r]
-    assert [it for it, _ in rounds] == list(range(5, 45, 5)), rounds  # no round was skipped or lost
-    assert [n for _, n in rounds].count(1) == 1 and rounds[0][1] == rounds[1][1] == 2, rounds  # the join's
+    assert [it for it, _ in rounds] == list(range(5, 45, 5)), (rounds, out[-6000:])  # no round was skipped or lost
+    assert [n for _, n in rounds].count(1) == 1 and rounds[0][1] == rounds[1][1] == 2, (rounds, out[-6000:])  # the join's
     # Cluster 0 entered that round at most a few iterations after the hang and waited in it for
     # longer than a round may take without the rejoin timeout.
     assert next(r["wait_s"] for r in metrics[0] if r.get("participants") == 1) > 20

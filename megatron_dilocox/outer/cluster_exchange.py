@@ -25,12 +25,14 @@ so the ranks that hold the same shard in every live cluster exchange with each o
 3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
    a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
    with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
-   round began (plus ``rejoin_timeout_s`` while fewer than ``min_clusters`` are live); then
+   round began (plus ``failure_timeout_s`` once a peer was lost inside a quorum, and
+   ``rejoin_timeout_s`` while fewer than ``min_clusters`` are live); then
    :class:`ClusterLossError`.
 
 A cluster that dies mid-round costs the others one failed attempt: the all-gather errors (a
 reset connection) or times out (a frozen peer, after ``failure_timeout_s``), and the next quorum
-leaves it out once the Lighthouse has missed its heartbeats (``--heartbeat_timeout_ms``).
+leaves it out once the Lighthouse has missed its heartbeats (``--heartbeat_timeout_ms``); that
+quorum has a ``failure_timeout_s`` of its own, since a frozen peer used up the first.
 """
 from __future__ import annotations
 
@@ -186,14 +188,16 @@ class ClusterExchange:
         payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
         begin, attempts, why, healed = time.monotonic(), 0, "no quorum", False
         members = self.clusters  # of the last quorum
+        retry = 0.0  # a peer lost inside a quorum: the next quorum gets a window of its own
         while True:
             attempts += 1
             before = mgr.current_step()
+            grace = retry + self._rejoin_grace(members)
             try:
-                mgr.start_quorum(timeout=timedelta(seconds=max(1.0, self._left(begin))))
+                mgr.start_quorum(timeout=timedelta(seconds=max(1.0, self._left(begin) + grace)))
             except Exception as err:  # the Lighthouse gave no quorum in time
                 why = f"quorum: {err}"
-                self._give_up_if_late(begin, why, grace=self._rejoin_grace(members))
+                self._give_up_if_late(begin, why, grace=grace)
                 continue
             healed = healed or mgr.current_step() != before  # its payload stays stale on a retry too
             members = mgr.num_participants()
@@ -217,6 +221,8 @@ class ClusterExchange:
                 except Exception as err:  # a dead or frozen peer
                     mgr.report_error(err)
                     why = f"exchange: {err}"
+                    # A frozen peer holds the all-gather for the whole failure timeout.
+                    retry = cfg.failure_timeout_s
             if mgr.should_commit():
                 majority = majority_fingerprint(prints)
                 voters = [v for v, p in zip(verdicts, prints) if majority is None or p in (None, majority)]
@@ -238,7 +244,7 @@ class ClusterExchange:
                 why = f"{members} live clusters, --dilocox-min-clusters is {cfg.min_clusters}"
                 if cfg.rejoin_timeout_s:
                     why += f"; waited --dilocox-rejoin-timeout-s {cfg.rejoin_timeout_s:g} more for a rejoin"
-            self._give_up_if_late(begin, why, grace=self._rejoin_grace(members))
+            self._give_up_if_late(begin, why, grace=retry + self._rejoin_grace(members))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
