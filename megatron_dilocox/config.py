@@ -377,7 +377,10 @@ class ExchangeConfig:
     failure_timeout_s: float = 60.0
     """Bound on one outer round, retries included: a cluster that died or froze mid-round is
     left out of it after this long at most (and after the Lighthouse's heartbeat timeout, a
-    few seconds, when its processes are gone)."""
+    few seconds, when its processes are gone).
+
+    A cluster frozen inside the exchange holds it for this long; the round then gets this long
+    again for the quorum without it, so such a round may take twice this before it commits."""
 
     startup_timeout_s: float = 300.0
     """How long the first round waits for all C clusters to be up."""
