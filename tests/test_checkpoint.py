@@ -64,6 +64,9 @@ def runs(tmp_path_factory):
               {"name": "delay_at5_exact",
                "flags": MODEL + RESUMED["delay"][0] + five + ["--no-dilocox-flush-residual"]},
               {"name": "delay_at5_tp2_vanilla", "flags": MODEL + VANILLA + five},
+              # DiLoCoX on from the stopped run in another layout (PP1, DP2 per cluster): weights only,
+              # a fresh outer state whose rounds run from iteration 5 on.
+              {"name": "delay_from5_pp1", "flags": MODEL + RESUMED["delay"][0][2:] + ["--load", str(out / "delay_stop")]},
               {"name": "llama_straight", "flags": MODEL + LLAMA + VANILLA + ["--save", str(out / "llama_final")]}]
     (out / "spec.json").write_text(json.dumps(specs))
     proc = torchrun(4, REPO / "tests" / "scenarios.py", [str(out), str(out / "spec.json")], timeout=900)
@@ -105,6 +108,15 @@ def test_resume_is_bitwise_exact(runs, name):
     assert set(straight) == set(resumed) and len(straight) > 10
     different = [n for n in straight if not torch.equal(straight[n], resumed[n])]
     assert not different, f"parameters differ after resuming: {different[:5]}"
+
+
+def test_dilocox_rounds_go_on_after_a_weights_only_resume(runs):
+    # The fresh outer state's first round ends H = 2 steps after the loaded iteration 5 (it ended
+    # at H counted from 0, before 5, and no round ever came: a silent switch to local training).
+    rounds = [r for r in read_jsonl(runs / "delay_from5_pp1.metrics.jsonl") if "outer_step" in r]
+    assert [(r["outer_step"], r["iteration"]) for r in rounds if not r["drain"]] == [(1, 7)]
+    assert rounds[0]["bytes_sent"] > 0 and rounds[-1]["drain"]  # its average, in flight at the end, applied then
+    assert _info(runs, "delay_from5_pp1")["start_iteration"] == 5
 
 
 def test_first_launch_with_load_on_an_empty_directory_starts_from_scratch(runs):

@@ -64,8 +64,7 @@ class DiLoCoX:
                               flush=residual if compression.flush_residual else None,
                               flush_reducer=flush_reducer)
         self._round_start_time = time.perf_counter()
-        self.local_steps = config.local_steps_at(0)
-        self.next_boundary = self.local_steps
+        self.start_at(0)
         self.next_landing: int | None = None
         self._rejoined: int | None = None  # see take_rejoin
         if self.link.verifies_state:
@@ -150,6 +149,12 @@ class DiLoCoX:
         first_stage = min(dist.get_process_group_ranks(group))  # stage 0 has the lowest rank (tp-pp-dp order)
         with torch.no_grad():
             dist.broadcast(self.params[self._tied_index], first_stage, group=group)
+
+    def start_at(self, iteration: int) -> None:
+        """Schedules the rounds of a fresh outer state that starts at ``iteration`` (0, or where
+        a weights-only load left the run): the first ends H steps later."""
+        self.local_steps = self.config.local_steps_at(iteration)
+        self.next_boundary = iteration + self.local_steps
 
     def is_boundary(self, iteration: int) -> bool:
         return iteration == self.next_boundary

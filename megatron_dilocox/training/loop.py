@@ -164,6 +164,8 @@ class Trainer:
         for an exact resume, all of the rest together. ValueError on a mismatch of settings."""
         if "iteration" in state:
             self.start_iteration = state["iteration"]
+            if self.dilocox is not None:  # an exact resume then restores the saved rounds below
+                self.dilocox.start_at(self.start_iteration)
         if "eval_round" in state:
             self.eval_round = state["eval_round"]
         if "scheduler" in state:
