@@ -102,5 +102,5 @@ def test_retention_keeps_the_newest_and_the_tracked(tmp_path):
     (foreign / files.FOREIGN_DIST_METADATA).write_text('{"sharded_backend": "torch_dist"}')
     assert files.prune(tmp_path, 1) == [files.iteration_dir(tmp_path, 4)] and foreign.is_dir()
     with pytest.raises(CheckpointError, match=r"iter_0000000: a Megatron-LM distributed checkpoint \(it has metadata\.json, "
-                                              r"no manifest\.json\); --load reads only this package's checkpoints"):
+                                              r"no manifest\.json\): no checksums to check; pretrain_gpt\.py --load"):
         files.read_manifest(foreign)

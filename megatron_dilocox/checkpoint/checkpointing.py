@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-from megatron_dilocox.checkpoint import files
+from megatron_dilocox.checkpoint import files, megatron_lm
 from megatron_dilocox.errors import CheckpointError
 from megatron_dilocox.megatron_state import model_sharded_state_dict, unwrap
 from megatron_dilocox.platform.backend import on_cuda
@@ -225,9 +225,29 @@ def save_weights(model, run: RunConfig, root, source: str) -> Path:
 # -- load ----------------------------------------------------------------------------------------
 
 
+def open_folder(folder, rank: int = 0, world: int = 1) -> dict:
+    """The manifest of checkpoint folder ``folder``: Megatron-LM's (made from its args), or ours,
+    checked against its digest, its files verified (by ``world`` callers, a share each) and, by
+    rank 0, none unlisted."""
+    if megatron_lm.is_checkpoint(folder):
+        return megatron_lm.read_manifest(folder)
+    manifest = files.read_manifest(folder)
+    if rank == 0:
+        files.check_listed(folder, manifest)
+    files.verify(folder, manifest, sorted(manifest["files"])[rank::world])
+    return manifest
+
+
+def tracked_folder(root) -> Path:
+    """The checkpoint folder the tracker of save directory ``root`` (ours or Megatron-LM's) points at."""
+    return megatron_lm.tracked_folder(root) or files.latest(root)
+
+
 def load_weights(model, folder) -> None:
-    """Reads a checkpoint's global weights into this rank's model chunks, whatever its layout."""
-    loaded = dist_checkpointing.load(model_sharded_state_dict(model), str(Path(folder) / "model"))
+    """Reads a checkpoint's global weights into this rank's model chunks, whatever its layout
+    (ours keep them in ``model/``; a Megatron-LM iteration folder is the distributed checkpoint)."""
+    weights = Path(folder) if megatron_lm.is_checkpoint(folder) else Path(folder) / "model"
+    loaded = dist_checkpointing.load(model_sharded_state_dict(model), str(weights))
     for i, chunk in enumerate(model):
         unwrap(chunk).load_state_dict(loaded[f"model{i}"])
 
@@ -266,12 +286,8 @@ class Resume:
         rank, world = dist.get_rank(), dist.get_world_size()
         error = None
         try:
-            self.folder = files.latest(run.checkpoint.load)
-            self.manifest = files.read_manifest(self.folder)
-            names = sorted(self.manifest["files"])
-            if rank == 0:
-                files.check_listed(self.folder, self.manifest)
-            files.verify(self.folder, self.manifest, names[rank::world])
+            self.folder = tracked_folder(run.checkpoint.load)
+            self.manifest = open_folder(self.folder, rank, world)
             _check_compatible(self.manifest, self.folder / files.MANIFEST, run)
         except CheckpointError as err:
             error = str(err)
@@ -288,10 +304,11 @@ class Resume:
 
     def describe(self) -> str:
         saved = self.manifest.get("layout")
+        origin = "a Megatron-LM checkpoint" if self.manifest.get("kind") == "megatron-lm" else "a converted checkpoint"
         how = ("exact resume" if self.exact else
                "weights only (resharded from "
                + (f"TP={saved['tensor_model_parallel_size']} PP={saved['pipeline_model_parallel_size']}, "
-                  f"{saved['world_size']} ranks" if saved else "a converted checkpoint")
+                  f"{saved['world_size']} ranks" if saved else origin)
                + "); the inner optimizer" + (" and the outer state start" if self.dilocox else " starts")
                + " fresh from them")
         return f"> loading {self.folder} (iteration {self.iteration}): {how}"
@@ -308,7 +325,8 @@ class Resume:
         states. ``load_state_dict`` raises AssertionError on a schedule mismatch (megatron's),
         ValueError or KeyError on rank state it cannot take."""
         progress = {"iteration": self.iteration, "eval_round": int(self.manifest.get("eval_round", 0))}
-        if self.iteration > 0:
+        # Megatron-LM's saved with --no-save-optim have no schedule: it follows the iteration.
+        if self.iteration > 0 and "scheduler" in self.manifest:
             progress["scheduler"] = self.manifest["scheduler"]
         try:
             load_state_dict(progress)

@@ -143,7 +143,8 @@ def read_manifest(folder) -> dict:
     if not path.is_file():
         if (Path(folder) / FOREIGN_DIST_METADATA).is_file():
             raise CheckpointError(f"{folder}: a Megatron-LM distributed checkpoint (it has {FOREIGN_DIST_METADATA}, "
-                                  f"no {MANIFEST}); --load reads only this package's checkpoints")
+                                  f"no {MANIFEST}): no checksums to check; pretrain_gpt.py --load and "
+                                  "tools/checkpoint/convert.py read it")
         raise CheckpointError(f"{path}: missing (incomplete checkpoint)")
     if not digest.is_file():
         raise CheckpointError(f"{digest}: missing (the manifest cannot be checked)")

@@ -28,8 +28,9 @@ import torch
 
 from megatron_dilocox.platform.backend import on_cuda
 
-# Every megatron-core module, including those imported later, gets the CPU view of torch.
-_PREFIX = "megatron.core"
+# Every megatron-core module, including those imported later, gets the CPU view of torch; so does
+# Megatron-LM's own package shipped with megatron-core 0.17+ (the tests run its checkpoint code).
+_PREFIX = ("megatron.core", "megatron.training")
 _FACTORIES = ("empty", "full", "ones", "tensor", "zeros", "arange", "randn", "rand")
 
 

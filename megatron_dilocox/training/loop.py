@@ -170,6 +170,8 @@ class Trainer:
             self.eval_round = state["eval_round"]
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        elif "iteration" in state:  # a checkpoint without its schedule: it follows the iteration
+            self.scheduler.step(increment=state["iteration"])
         if "main_params" not in state:
             return
         params, saved = main_params(self.optimizer), state["main_params"]

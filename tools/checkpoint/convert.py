@@ -1,7 +1,9 @@
-"""Convert checkpoints to and from Hugging Face ``transformers`` (one CPU process, any layout).
+"""Convert checkpoints to and from Hugging Face ``transformers`` and Megatron-LM (one CPU
+process, any layout).
 
     python tools/checkpoint/convert.py to-hf --load CKPT_DIR --save HF_DIR [--check-logits]
     python tools/checkpoint/convert.py from-hf --load HF_DIR --save CKPT_DIR
+    python tools/checkpoint/convert.py to-megatron-lm --load CKPT_DIR --save MLM_DIR
 
 ``to-hf`` takes the global weights of a checkpoint (the latest one, or ``--iteration N``; under
 DiLoCoX: the outer parameters) and writes a ``LlamaForCausalLM`` when the run used RoPE, RMSNorm
@@ -12,6 +14,13 @@ Hugging Face tokenizer that encodes as SentencePiece does, with the model file b
 ``generate`` work on the folder; ``--tokenizer-model`` names the file when it has moved since
 training. ``--check-logits`` reloads the written folder with ``from_pretrained`` and prints the
 largest logit difference to our model on random tokens.
+
+``to-megatron-lm`` writes the global weights as Megatron-LM's ``pretrain_gpt.py --ckpt-format
+torch_dist`` saves them (``MLM_DIR/iter_NNNNNNN/`` and its tracker), with the iteration and the
+run's flags as its ``args``, and no optimizer or RNG state: Megatron-LM loads it with
+``--load MLM_DIR --no-load-optim --no-load-rng`` (or ``--finetune``) into any TP/PP layout.
+``--load`` of both ``to-*`` directions, and of ``pretrain_gpt.py`` itself, also takes a directory
+Megatron-LM saved.
 
 ``from-hf`` writes a weights-only checkpoint at iteration 0 that ``pretrain_gpt.py --load``
 reads into any TP/PP layout; it prints the model flags the run must use, with
@@ -98,29 +107,48 @@ def _run_tokenizer(manifest_args: dict, override: str | None) -> str | None:
     return path
 
 
+def _load_model(load: str, iteration: int | None):
+    """The checkpoint folder in ``load`` (the tracked one, or ``iter_N``; ours or Megatron-LM's),
+    its manifest, and the TP1 run, model and megatron config holding its weights."""
+    from megatron_dilocox.checkpoint import files
+    from megatron_dilocox.checkpoint.checkpointing import load_weights, open_folder, tracked_folder
+    from megatron_dilocox.run_config import ModelConfig
+
+    folder = files.iteration_dir(load, iteration) if iteration is not None else tracked_folder(load)
+    manifest = open_folder(folder)
+    vocab = manifest["model"]["padded_vocab_size"]
+    run = _tp1_run({f.name: manifest["args"].get(f.name) for f in dataclasses.fields(ModelConfig)}, vocab)
+    _single_process_world()
+    chunk, model_config = _build_model(run, vocab)
+    load_weights([chunk], folder)
+    return folder, manifest, run, chunk, model_config
+
+
+def to_megatron_lm(load: str, save: str, iteration: int | None) -> None:
+    from megatron_dilocox.checkpoint import megatron_lm
+
+    folder, manifest, _, chunk, _ = _load_model(load, iteration)
+    args = megatron_lm.megatron_args({**manifest["args"], **manifest["model"]}, manifest["iteration"])
+    written = megatron_lm.save(save, manifest["iteration"], chunk.sharded_state_dict(), args)
+    print(f"> wrote {written} (Megatron-LM torch_dist, iteration {manifest['iteration']}) from {folder}")
+    print(f"> Megatron-LM loads it with: --load {save} --no-load-optim --no-load-rng --ckpt-format torch_dist")
+
+
 def to_hf(load: str, save: str, iteration: int | None, check_logits: bool, tokenizer_model: str | None) -> None:
     import sentencepiece as spm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_dilocox.checkpoint import files, hf, hf_tokenizer
-    from megatron_dilocox.checkpoint.checkpointing import load_weights
-    from megatron_dilocox.run_config import ModelConfig
+    from megatron_dilocox.checkpoint import hf, hf_tokenizer
     from megatron_dilocox.training.model import gather_full_params
 
-    folder = files.iteration_dir(load, iteration) if iteration is not None else files.latest(load)
-    manifest = files.read_manifest(folder)
-    files.verify(folder, manifest, sorted(manifest["files"]))
+    folder, manifest, run, chunk, model_config = _load_model(load, iteration)
     vocab = manifest["model"]["padded_vocab_size"]
     sp_model = _run_tokenizer(manifest["args"], tokenizer_model)
     sp = spm.SentencePieceProcessor(model_file=sp_model) if sp_model else None
     if sp is not None and sp.get_piece_size() > vocab:
         _fail(f"--tokenizer-model {sp_model}: {sp.get_piece_size()} pieces, more than the model's {vocab} embeddings")
-    run = _tp1_run({f.name: manifest["args"].get(f.name) for f in dataclasses.fields(ModelConfig)}, vocab)
     family = hf.hf_family(run.model)
-    _single_process_world()
-    chunk, model_config = _build_model(run, vocab)
-    load_weights([chunk], folder)
     tied = not run.model.untie_embeddings_and_output_weights
     config, state_dict = hf.to_hf(gather_full_params([chunk], tied), run.model, model_config, vocab)
     if sp is not None:
@@ -217,6 +245,10 @@ def main(argv=None) -> int:
     out.add_argument("--check-logits", action="store_true", help="compare logits after writing")
     out.add_argument("--tokenizer-model", default=None,
                      help="the run's SentencePiece model, where it is now (default: the path the run recorded)")
+    mlm = sub.add_parser("to-megatron-lm", help="our checkpoint -> Megatron-LM torch_dist checkpoint directory")
+    mlm.add_argument("--load", required=True, help="checkpoint directory (the one --save wrote)")
+    mlm.add_argument("--save", required=True, help="Megatron-LM checkpoint directory to write (its --load)")
+    mlm.add_argument("--iteration", type=int, default=None, help="convert iter_N instead of the latest")
     into = sub.add_parser("from-hf", help="Hugging Face folder -> our weights-only checkpoint")
     into.add_argument("--load", required=True, help="Hugging Face folder (config.json + weights)")
     into.add_argument("--save", required=True, help="checkpoint directory to write")
@@ -226,6 +258,8 @@ def main(argv=None) -> int:
     try:
         if args.direction == "to-hf":
             to_hf(args.load, args.save, args.iteration, args.check_logits, args.tokenizer_model)
+        elif args.direction == "to-megatron-lm":
+            to_megatron_lm(args.load, args.save, args.iteration)
         else:
             if not os.path.isfile(os.path.join(args.load, "config.json")):
                 _fail(f"--load {args.load}: no config.json (not a Hugging Face model folder)")
