@@ -58,21 +58,25 @@ def _forked_worker(rank, port, out_dir, scenarios):
         raise
 
 
-def run_forked(scenarios, out: Path, timeout: float = 120):
-    """Runs ``scenarios(rank, group) -> dict`` on 2 gloo ranks forked after import (no second
-    torch import; all scenarios share one launch) and returns each rank's dict. Failures and
-    hangs fail the test with the workers' tracebacks."""
-    import multiprocessing
+def _forked_child(out_dir, scenarios):
+    import traceback
+
+    import torch
+
+    try:
+        torch.save(scenarios(), os.path.join(out_dir, "child.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, "child.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _join(procs, out: Path, timeout: float) -> None:
+    """Waits for forked processes; kills what outlives ``timeout`` and fails the test with their tracebacks."""
     import time
 
     import pytest
-    import torch
 
-    ctx = multiprocessing.get_context("fork")
-    port = free_port()
-    procs = [ctx.Process(target=_forked_worker, args=(r, port, str(out), scenarios)) for r in range(2)]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))
@@ -82,9 +86,39 @@ def run_forked(scenarios, out: Path, timeout: float = 120):
             p.join()
     errors = [f.read_text() for f in sorted(out.glob("*.err"))]
     codes = [p.exitcode for p in procs]
-    if errors or codes != [0, 0]:
-        pytest.fail(f"workers failed (exit codes {codes}):\n" + "\n".join(errors))
+    if errors or any(codes):
+        pytest.fail(f"forked processes failed (exit codes {codes}):\n" + "\n".join(errors))
+
+
+def run_forked(scenarios, out: Path, timeout: float = 120):
+    """Runs ``scenarios(rank, group) -> dict`` on 2 gloo ranks forked after import (no second
+    torch import; all scenarios share one launch) and returns each rank's dict. Failures and
+    hangs fail the test with the workers' tracebacks."""
+    import multiprocessing
+
+    import torch
+
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_forked_worker, args=(r, port, str(out), scenarios)) for r in range(2)]
+    for p in procs:
+        p.start()
+    _join(procs, out, timeout)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def run_in_fork(scenarios, out: Path, timeout: float = 300):
+    """Runs ``scenarios()`` in one forked child (the process group, megatron's global state and
+    the CPU bridge it sets up stay out of the pytest process) and returns what it returned.
+    Failures and hangs fail the test with the child's traceback."""
+    import multiprocessing
+
+    import torch
+
+    child = multiprocessing.get_context("fork").Process(target=_forked_child, args=(str(out), scenarios))
+    child.start()
+    _join([child], out, timeout)
+    return torch.load(out / "child.pt", weights_only=False)
 
 
 def read_tensorboard(folder) -> dict[str, list[tuple[int, float]]]:

@@ -5,15 +5,11 @@ The megatron side runs in one forked child (a 1-rank gloo world, megatron at TP1
 bridge installed): none of that global state reaches the pytest process.
 """
 
-import multiprocessing
-import os
-import traceback
-
 import pytest
 import torch
 import transformers
 
-from launch import free_port
+from launch import free_port, run_in_fork
 from megatron_dilocox.arguments import parse_args
 from megatron_dilocox.errors import ConfigError
 from megatron_dilocox.checkpoint.hf import as_argv, from_hf, hf_family, to_hf
@@ -154,28 +150,9 @@ def _megatron_scenarios():
     return results
 
 
-def _child(path):
-    try:
-        torch.save(_megatron_scenarios(), path)
-    except BaseException:
-        with open(path + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("hf") / "results.pt")
-    proc = multiprocessing.get_context("fork").Process(target=_child, args=(path,))
-    proc.start()
-    proc.join(timeout=300)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    if os.path.exists(path + ".err") or proc.exitcode != 0:
-        err = open(path + ".err").read() if os.path.exists(path + ".err") else ""
-        pytest.fail(f"megatron side failed (exit code {proc.exitcode}):\n{err}")
-    return torch.load(path)
+    return run_in_fork(_megatron_scenarios, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -8,19 +8,18 @@ on CPU; ``megatron.training`` ships with megatron-core 0.17+, so these run on th
   Megatron-LM with our logits.
 """
 
+import functools
 import importlib.util
-import multiprocessing
 import os
 import re
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 
 import megatron_lm_side as mlm
-from launch import REPO, free_port, torchrun, worker_env
+from launch import REPO, free_port, run_in_fork, torchrun, worker_env
 
 needs_megatron_lm = pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
                                        reason="Megatron-LM's training package ships with megatron-core 0.17+ (Python 3.12)")
@@ -34,36 +33,31 @@ def _megatron_lm(action: str, directory) -> None:
     assert proc.returncode == 0, f"Megatron-LM {action} failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
 
 
-def _our_logits(folders: dict, path: str) -> None:
-    """Forked child: our TP1 model of :data:`megatron_lm_side.MODEL`, loaded from each folder."""
-    try:
-        from megatron_dilocox.platform import cpu
+def _our_logits(folders: dict) -> dict:
+    """In a forked child: our TP1 model of :data:`megatron_lm_side.MODEL`, loaded from each folder."""
+    from megatron_dilocox.platform import cpu
 
-        cpu.install()
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    cpu.install()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from megatron_dilocox.arguments import padded_vocab_size, parse_args
-        from megatron_dilocox.checkpoint.checkpointing import load_weights
-        from megatron_dilocox.training.model import build_gpt_chunks, transformer_config
+    from megatron_dilocox.arguments import padded_vocab_size, parse_args
+    from megatron_dilocox.checkpoint.checkpointing import load_weights
+    from megatron_dilocox.training.model import build_gpt_chunks, transformer_config
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        model_parallel_cuda_manual_seed(99)
-        run = parse_args(mlm.MODEL + mlm.SCHEDULE + ["--mock-data"])
-        (chunk,) = build_gpt_chunks(run.model, transformer_config(run), padded_vocab_size(100, run.model))
-        chunk.eval()
-        logits = {}
-        for name, folder in folders.items():
-            load_weights([chunk], folder)
-            logits[name] = mlm.logits(chunk)
-        torch.save(logits, path)
-    except BaseException:
-        with open(path + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(99)
+    run = parse_args(mlm.MODEL + mlm.SCHEDULE + ["--mock-data"])
+    (chunk,) = build_gpt_chunks(run.model, transformer_config(run), padded_vocab_size(100, run.model))
+    chunk.eval()
+    logits = {}
+    for name, folder in folders.items():
+        load_weights([chunk], folder)
+        logits[name] = mlm.logits(chunk)
+    return logits
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +75,9 @@ def trip(tmp_path_factory):
                              timeout=300)
     assert convert.returncode == 0, convert.stderr[-4000:]
     _megatron_lm("load", back)
-    path = str(root / "our_logits.pt")
-    child = multiprocessing.get_context("fork").Process(target=_our_logits, args=(
-        {"theirs": theirs / f"iter_{mlm.ITERATION:07d}", "ours": ours / "iter_0000020"}, path))
-    child.start()
-    child.join(timeout=300)
-    if os.path.exists(path + ".err") or child.exitcode != 0:
-        pytest.fail(f"our side failed ({child.exitcode}):\n{open(path + '.err').read() if os.path.exists(path + '.err') else ''}")
-    return {"log": run.stdout + run.stderr, "convert": convert.stdout, "our": torch.load(path),
+    our = run_in_fork(functools.partial(_our_logits, {"theirs": theirs / f"iter_{mlm.ITERATION:07d}",
+                                                      "ours": ours / "iter_0000020"}), root)
+    return {"log": run.stdout + run.stderr, "convert": convert.stdout, "our": our,
             "saved": torch.load(theirs / "saved_logits.pt"), "loaded": torch.load(back / "loaded_logits.pt")}
 
 
@@ -124,63 +113,52 @@ def test_our_checkpoint_converted_loads_in_megatron_lm_with_our_logits(trip):
 # -- the reader's checks, on both interpreters (folders written by megatron-core's dist_checkpointing) --
 
 
-def _reader_scenarios(root: str, path: str) -> None:
-    """Forked child (a 1-rank world: dist_checkpointing writes collectively): what the reader says
-    about folders in Megatron-LM's layout."""
-    try:
-        from megatron_dilocox.platform import cpu
+def _reader_scenarios(root: str) -> dict:
+    """In a forked child (a 1-rank world: dist_checkpointing writes collectively): what the reader
+    says about folders in Megatron-LM's layout."""
+    from megatron_dilocox.platform import cpu
 
-        cpu.install()
-        import argparse
+    cpu.install()
+    import argparse
 
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        from megatron_dilocox.checkpoint import megatron_lm
-        from megatron_dilocox.checkpoint.checkpointing import tracked_folder
-        from megatron_dilocox.errors import CheckpointError
+    from megatron_dilocox.checkpoint import megatron_lm
+    from megatron_dilocox.checkpoint.checkpointing import tracked_folder
+    from megatron_dilocox.errors import CheckpointError
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-        weights = {"w": torch.arange(4.0)}
-        args = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=1,
-                    group_query_attention=False, position_embedding_type="learned_absolute",
-                    max_position_embeddings=32, normalization="LayerNorm", swiglu=False,
-                    untie_embeddings_and_output_weights=False, add_bias_linear=True, padded_vocab_size=128,
-                    global_batch_size=4)
-        results = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    weights = {"w": torch.arange(4.0)}
+    args = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=1,
+                group_query_attention=False, position_embedding_type="learned_absolute",
+                max_position_embeddings=32, normalization="LayerNorm", swiglu=False,
+                untie_embeddings_and_output_weights=False, add_bias_linear=True, padded_vocab_size=128,
+                global_batch_size=4)
+    results = {}
 
-        def outcome(folder):
-            try:
-                return megatron_lm.read_manifest(folder)
-            except CheckpointError as err:
-                return str(err)
+    def outcome(folder):
+        try:
+            return megatron_lm.read_manifest(folder)
+        except CheckpointError as err:
+            return str(err)
 
-        plain = megatron_lm.save(os.path.join(root, "plain"), 3, weights, argparse.Namespace(**args))
-        results["plain"] = (str(tracked_folder(os.path.join(root, "plain"))), outcome(plain))
-        results["qk"] = outcome(megatron_lm.save(os.path.join(root, "qk"), 3, weights,
-                                                 argparse.Namespace(**args, qk_layernorm=True)))
-        results["no_args"] = outcome(megatron_lm.save(os.path.join(root, "no_args"), 3, weights, None))
-        release = megatron_lm.save(os.path.join(root, "release"), 0, weights, argparse.Namespace(**args))
-        os.replace(release, os.path.join(root, "release", megatron_lm.RELEASE))
-        with open(os.path.join(root, "release", "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("release")
-        results["release"] = str(tracked_folder(os.path.join(root, "release")))
-        torch.save(results, path)
-    except BaseException:
-        with open(path + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    plain = megatron_lm.save(os.path.join(root, "plain"), 3, weights, argparse.Namespace(**args))
+    results["plain"] = (str(tracked_folder(os.path.join(root, "plain"))), outcome(plain))
+    results["qk"] = outcome(megatron_lm.save(os.path.join(root, "qk"), 3, weights,
+                                             argparse.Namespace(**args, qk_layernorm=True)))
+    results["no_args"] = outcome(megatron_lm.save(os.path.join(root, "no_args"), 3, weights, None))
+    release = megatron_lm.save(os.path.join(root, "release"), 0, weights, argparse.Namespace(**args))
+    os.replace(release, os.path.join(root, "release", megatron_lm.RELEASE))
+    with open(os.path.join(root, "release", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+    results["release"] = str(tracked_folder(os.path.join(root, "release")))
+    return results
 
 
 @pytest.fixture(scope="module")
 def read(tmp_path_factory):
     root = tmp_path_factory.mktemp("reader")
-    path = str(root / "results.pt")
-    child = multiprocessing.get_context("fork").Process(target=_reader_scenarios, args=(str(root), path))
-    child.start()
-    child.join(timeout=120)
-    if os.path.exists(path + ".err") or child.exitcode != 0:
-        pytest.fail(f"reader child failed ({child.exitcode}):\n{open(path + '.err').read() if os.path.exists(path + '.err') else ''}")
-    return root, torch.load(path, weights_only=False)
+    return root, run_in_fork(functools.partial(_reader_scenarios, str(root)), root, timeout=120)
 
 
 def test_its_args_become_our_model_flags(read):
