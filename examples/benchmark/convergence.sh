@@ -15,6 +15,7 @@
 #   STUDY=clusters-outer-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
@@ -87,6 +88,11 @@ SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --c
 DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
+# C = 4: AllReduce and the defaults there (outer lr 3.1), against which the C = 4 levers compare.
+O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
+O31="$NEW --dilocox-outer-lr 3.1"
+C4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    --method "$O31_NAME=$O31" --compare "$O31_NAME")
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -211,15 +217,15 @@ case "$STUDY" in
   clusters-levers)  # C = 4, seed 1: around outer lr 3.1, the inner lr for the 8-sequence cluster batch
     # and how fast the outer lr reaches 3.1 (the gap is made in the ramp's first rounds); blocking
     # fp32 DiLoCo on the same schedule separates the codec and the overlap from the averaging
-    O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
-    O31="$NEW --dilocox-outer-lr 3.1"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$O31_NAME=$O31" --compare "$O31_NAME"
-             --method "${O31_NAME/inner 4e-3/inner 3e-3}=$O31 --lr 3e-3 --min-lr 3e-4"
+    METHODS=("${C4[@]}" --method "${O31_NAME/inner 4e-3/inner 3e-3}=$O31 --lr 3e-3 --min-lr 3e-4"
              --method "${O31_NAME/inner 4e-3/inner 6e-3}=$O31 --lr 6e-3 --min-lr 6e-4"
              --method "${O31_NAME/warm-up 600/warm-up 300}=$O31 --dilocox-outer-lr-warmup-iters 300"
              --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0"
              --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
+  clusters-ramp)  # C = 4, seed 1: the H ramp's length under outer lr 3.1; its one-step rounds are where
+    # four clusters fall behind AllReduce (at C = 2 the ramp halved the gap)
+    METHODS=("${C4[@]}" --method "${O31_NAME/H ramp 600/H ramp 300}=$O31 --dilocox-local-steps-ramp-iters 300"
+             --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
   *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, size or batch, got $STUDY" >&2; exit 2 ;;
