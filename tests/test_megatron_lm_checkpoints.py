@@ -144,6 +144,7 @@ def _reader_scenarios(root: str) -> dict:
 
     plain = megatron_lm.save(os.path.join(root, "plain"), 3, weights, argparse.Namespace(**args))
     results["plain"] = (str(tracked_folder(os.path.join(root, "plain"))), outcome(plain))
+    results["folder_itself"] = str(tracked_folder(plain))  # --load naming the iteration folder
     results["qk"] = outcome(megatron_lm.save(os.path.join(root, "qk"), 3, weights,
                                              argparse.Namespace(**args, qk_layernorm=True)))
     results["no_args"] = outcome(megatron_lm.save(os.path.join(root, "no_args"), 3, weights, None))
@@ -164,7 +165,7 @@ def read(tmp_path_factory):
 def test_its_args_become_our_model_flags(read):
     root, results = read
     folder, manifest = results["plain"]
-    assert folder == str(root / "plain" / "iter_0000003")
+    assert folder == str(root / "plain" / "iter_0000003") == results["folder_itself"]
     assert manifest["iteration"] == 3 and manifest["global_batch_size"] == 4 and manifest["layout"] is None
     # Megatron-LM's num_query_groups (1) counts only with --group-query-attention; add_bias_linear is negated.
     assert manifest["model"]["num_query_groups"] == 4 and manifest["model"]["disable_bias_linear"] is False

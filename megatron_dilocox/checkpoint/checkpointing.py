@@ -238,8 +238,16 @@ def open_folder(folder, rank: int = 0, world: int = 1) -> dict:
     return manifest
 
 
+def _is_folder(path) -> bool:
+    """Whether ``path`` is one checkpoint folder itself (``iter_N/``, ours or Megatron-LM's)."""
+    return (Path(path) / files.MANIFEST).is_file() or megatron_lm.is_checkpoint(path)
+
+
 def tracked_folder(root) -> Path:
-    """The checkpoint folder the tracker of save directory ``root`` (ours or Megatron-LM's) points at."""
+    """The checkpoint folder to load from ``root``: the one the tracker of a save directory (ours
+    or Megatron-LM's) points at, or ``root`` itself when it is one."""
+    if _is_folder(root):
+        return Path(root)
     return megatron_lm.tracked_folder(root) or files.latest(root)
 
 
@@ -276,8 +284,8 @@ class Resume:
     def find(cls, run: RunConfig, topo) -> "Resume | None":
         """The checkpoint in ``--load`` to resume from; None, with one warning, when that directory
         holds none yet (as in Megatron-LM, so a first launch with ``--save X --load X`` starts from
-        scratch)."""
-        if files.has_checkpoint(run.checkpoint.load):
+        scratch). ``--load`` may also name one checkpoint folder (``iter_N/``)."""
+        if files.has_checkpoint(run.checkpoint.load) or _is_folder(run.checkpoint.load):
             return cls(run, topo)
         _warn(f"--load {run.checkpoint.load}: no checkpoint there yet (no {files.TRACKER}); starting from scratch")
         return None
