@@ -17,6 +17,7 @@
 #   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT; two launches at once with the
 # same OUT share its runs (each claims the next one nobody holds).
@@ -203,6 +204,11 @@ case "$STUDY" in
     # OUT=runs/convergence/size4x), with AllReduce at the study's best lr only
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}") ;;
+  size-lr)  # the larger model (LAYERS=6 HIDDEN=256 OUT=runs/convergence/size4x): AllReduce at 2e-3 and
+    # 8e-3 beside the size study's 4e-3, the best of the three its baseline
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 2e-3="
+             --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4" --baseline "AllReduce lr 4e-3"
+             --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 8e-3" --method "$NEW_NAME=$NEW") ;;
   clusters-outer-lr)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4), seed 1: the outer lr above the defaults' 1.7
     # (the averaged progress of four replicas is shorter still), warmed up the same way
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
@@ -225,6 +231,7 @@ case "$STUDY" in
   clusters-ramp)  # C = 4, seed 1: the H ramp's length under outer lr 3.1; its one-step rounds are where
     # four clusters fall behind AllReduce (at C = 2 the ramp halved the gap)
     METHODS=("${C4[@]}" --method "${O31_NAME/H ramp 600/H ramp 300}=$O31 --dilocox-local-steps-ramp-iters 300"
+             --method "${O31_NAME/H ramp 600/H ramp 1000}=$O31 --dilocox-local-steps-ramp-iters 1000"
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
