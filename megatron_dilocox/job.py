@@ -23,7 +23,7 @@ from megatron_dilocox.checkpoint import checkpointing
 from megatron_dilocox.checkpoint.checkpointing import Resume, lock_save_dir
 from megatron_dilocox.comm_audit import CommAudit
 from megatron_dilocox.data.tokenizer import build_tokenizer
-from megatron_dilocox.errors import ConfigError
+from megatron_dilocox.errors import ClusterLossError, ConfigError, StateDivergedError
 from megatron_dilocox.platform import backend, cpu
 from megatron_dilocox.run_config import CheckpointConfig, LoggingConfig, RunConfig
 from megatron_dilocox.topology import build_topology, init_distributed
@@ -174,7 +174,14 @@ def run(run_config: RunConfig) -> None:
         trainer.logger.print(cpu.NOTE)
     trainer.logger.print(f"> {describe(run_config, trainer.topo)}; {training.train_iters} iterations, "
                          f"global batch {training.global_batch_size} x {run_config.model.seq_length} tokens")
-    trainer.train()
+    try:
+        trainer.train()
+    except (ClusterLossError, StateDivergedError):
+        if trainer.dilocox is not None:
+            # Leave the outer exchange before the error ends the process: torchft's threads
+            # still running at interpreter exit abort it ("terminate called without an active exception").
+            trainer.dilocox.stop()
+        raise
     if backend.on_cuda():
         trainer.logger.print(f"> peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if run_config.logging.metrics_file:
