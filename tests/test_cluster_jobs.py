@@ -93,28 +93,33 @@ def follow(jobs, kills):
     return lines, made
 
 
-def _freeze_then_kill_worker(k, hold_s):
+def _freeze_then_kill_worker(jobs, k, hold_s):
     """SIGSTOP cluster k's training process (a hung rank: its heartbeats stop too) and SIGKILL it
     ``hold_s`` later, so that torchrun restarts it no sooner than that."""
-    workers = cluster_workers(k)
+    workers = cluster_workers(k, jobs.pid)
     for p in workers:
         p.send_signal(signal.SIGSTOP)
     threading.Timer(hold_s, lambda: [p.send_signal(signal.SIGKILL) for p in workers]).start()
     return len(workers)
 
 
-def _kill_first_worker(k):
+def _kill_first_worker(jobs, k):
     """SIGKILL one of cluster k's training processes: torchrun stops the others and restarts all."""
-    workers = cluster_workers(k)
+    workers = cluster_workers(k, jobs.pid)
     workers[0].send_signal(signal.SIGKILL)
     return len(workers)
 
 
-def _kill_cluster(k):
+def _kill_cluster(jobs, k):
     """SIGKILL every process of cluster k's job (its torchrun agent and workers), as a lost machine."""
-    victims = [p for p in psutil.process_iter(["cmdline"])
-               if "--dilocox-cluster-index" in (cmd := p.info["cmdline"] or [])
-               and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(k)]
+    victims = []
+    for p in psutil.Process(jobs.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "--dilocox-cluster-index" in cmd and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(k):
+            victims.append(p)
     for p in victims:
         p.send_signal(signal.SIGKILL)
     return len(victims)
@@ -129,7 +134,7 @@ def test_a_lost_cluster_does_not_stop_the_others(tmp_path):
                      "--dilocox-compression", "none", "--dilocox-failure-timeout-s", "20", "--dilocox-min-clusters", "2",
                      "--metrics-file", str(tmp_path / "m.jsonl"), "--save", str(tmp_path / "ckpt")]
     jobs = launch(3, 1, flags)
-    lines, killed = follow(jobs, {(2, 10): lambda: _kill_cluster(2), (1, 30): lambda: _kill_cluster(1)})
+    lines, killed = follow(jobs, {(2, 10): lambda: _kill_cluster(jobs, 2), (1, 30): lambda: _kill_cluster(jobs, 1)})
     out = "".join(lines)
     assert [m[:2] for m in killed] == [(2, 10), (1, 30)] and all(n >= 2 for *_, n in killed), out[-6000:]
     assert jobs.returncode != 0 and "finished: none" in out, out[-6000:]
@@ -162,7 +167,7 @@ def test_a_restarted_cluster_rejoins_from_a_live_peer(tmp_path):
                      "--dilocox-sync-mode", "sync", "--dilocox-compression", "none", "--dilocox-failure-timeout-s", "60",
                      "--dilocox-emulated-delay-s", "1.5", "--metrics-file", str(tmp_path / "m.jsonl")]
     jobs = launch(2, 2, flags, args=["--max-restarts", "1"])
-    lines, killed = follow(jobs, {(1, 10): lambda: _kill_first_worker(1)})
+    lines, killed = follow(jobs, {(1, 10): lambda: _kill_first_worker(jobs, 1)})
     out = "".join(lines)
     restarted_log = "".join(line for line in lines if line.startswith("[cluster 1]"))
     assert killed == [(1, 10, 2)] and jobs.returncode == 0 and "lost clusters" not in out, (restarted_log or out)[-6000:]
@@ -198,7 +203,7 @@ def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):
                      "--dilocox-compression", "none", "--dilocox-min-clusters", "2", "--dilocox-failure-timeout-s", "20",
                      "--dilocox-rejoin-timeout-s", "600", "--metrics-file", str(tmp_path / "m.jsonl")]
     jobs = launch(2, 1, flags, args=["--max-restarts", "1"])
-    lines, killed = follow(jobs, {(1, 10): lambda: _freeze_then_kill_worker(1, hold_s=30)})
+    lines, killed = follow(jobs, {(1, 10): lambda: _freeze_then_kill_worker(jobs, 1, hold_s=30)})
     out = "".join(lines)
     assert killed == [(1, 10, 1)] and jobs.returncode == 0 and "lost clusters" not in out, out[-6000:]
     assert "saving a checkpoint before stopping" not in out

@@ -159,7 +159,7 @@ def test_a_cluster_restarted_in_its_namespace_heals_over_the_link(tmp_path):
             # clusters interleave, and a cluster prints its line before it writes the record).
             if killed is None and " iteration " in line and restarted.is_file() and any(
                     r.get("iteration", 0) >= 10 for r in read_jsonl(restarted) if "lm_loss" in r):
-                workers = cluster_workers(1)
+                workers = cluster_workers(1, jobs.pid)
                 workers[0].send_signal(signal.SIGKILL)
                 killed = len(workers)
         jobs.wait(timeout=60)

@@ -70,11 +70,15 @@ def check_args(parser, args) -> list[str]:
     return pretrain
 
 
-def cluster_workers(cluster: int) -> list[psutil.Process]:
-    """Cluster ``cluster``'s training processes (not its torchrun agent)."""
+def cluster_workers(cluster: int, launcher: int) -> list[psutil.Process]:
+    """Cluster ``cluster``'s training processes (not its torchrun agent) among the descendants of
+    ``launcher`` (the pid of the local launcher): another run on the same machine is left alone."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
+    for p in psutil.Process(launcher).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
         if ("--dilocox-cluster-index" in cmd and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(cluster)
                 and "torch.distributed.run" not in cmd):
             found.append(p)
@@ -82,7 +86,7 @@ def cluster_workers(cluster: int) -> list[psutil.Process]:
 
 
 def _stream(cmd: list[str], log: Path, on_line=None) -> int:
-    """Runs ``cmd``, writing its output to ``log`` and handing each line to ``on_line``."""
+    """Runs ``cmd``, writing its output to ``log`` and handing each line and ``cmd``'s pid to ``on_line``."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -90,7 +94,7 @@ def _stream(cmd: list[str], log: Path, on_line=None) -> int:
             for line in proc.stdout:
                 out.write(line)
                 if on_line is not None:
-                    on_line(line)
+                    on_line(line, proc.pid)
             return proc.wait()
         finally:
             if proc.poll() is None:
@@ -107,7 +111,7 @@ def run_jobs(args, pretrain: list[str], folder: Path, faults: bool) -> dict:
     next_kill = args.kill_every * h if faults else None
     last_kill = iters - args.quiet_rounds * h
 
-    def on_line(line: str) -> None:
+    def on_line(line: str, launcher: int) -> None:
         nonlocal next_kill
         if faults and (joined := JOINED.match(line)):
             k = int(joined.group(1))
@@ -116,10 +120,10 @@ def run_jobs(args, pretrain: list[str], folder: Path, faults: bool) -> dict:
         if not faults or not (m := ITERATION.match(line)):
             return
         if int(m.group(2)) >= next_kill and next_kill <= last_kill:
-            live = sorted(k for k in up if cluster_workers(k))
+            live = sorted(k for k in up if cluster_workers(k, launcher))
             if len(live) > 1:  # never the last one
                 k = rng.choice(live)
-                for p in cluster_workers(k):
+                for p in cluster_workers(k, launcher):
                     p.send_signal(signal.SIGKILL)
                 up.discard(k)
                 kills.append(dict(cluster=k, iteration=int(m.group(2)), t=time.time()))
