@@ -8,13 +8,12 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
 from launch import REPO, read_jsonl, read_tensorboard, read_wandb, torchrun, worker_env
 
 from megatron_dilocox.payload import HANDSHAKE_BYTES
-from tools.fault_soak import cluster_workers
+from tools.fault_soak import cluster_processes, cluster_workers
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
@@ -112,14 +111,7 @@ def _kill_first_worker(jobs, k):
 
 def _kill_cluster(jobs, k):
     """SIGKILL every process of cluster k's job (its torchrun agent and workers), as a lost machine."""
-    victims = []
-    for p in psutil.Process(jobs.pid).children(recursive=True):
-        try:
-            cmd = p.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        if "--dilocox-cluster-index" in cmd and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(k):
-            victims.append(p)
+    victims = cluster_processes(k, jobs.pid)
     for p in victims:
         p.send_signal(signal.SIGKILL)
     return len(victims)

@@ -70,9 +70,10 @@ def check_args(parser, args) -> list[str]:
     return pretrain
 
 
-def cluster_workers(cluster: int, launcher: int) -> list[psutil.Process]:
-    """Cluster ``cluster``'s training processes (not its torchrun agent) among the descendants of
-    ``launcher`` (the pid of the local launcher): another run on the same machine is left alone."""
+def cluster_processes(cluster: int, launcher: int, agent: bool = True) -> list[psutil.Process]:
+    """Cluster ``cluster``'s processes (its torchrun agent unless ``agent`` is False, and its
+    workers) among the descendants of ``launcher`` (the pid of the local launcher): another run
+    on the same machine is left alone."""
     found = []
     for p in psutil.Process(launcher).children(recursive=True):
         try:
@@ -80,9 +81,14 @@ def cluster_workers(cluster: int, launcher: int) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             continue
         if ("--dilocox-cluster-index" in cmd and cmd[cmd.index("--dilocox-cluster-index") + 1] == str(cluster)
-                and "torch.distributed.run" not in cmd):
+                and (agent or "torch.distributed.run" not in cmd)):
             found.append(p)
     return found
+
+
+def cluster_workers(cluster: int, launcher: int) -> list[psutil.Process]:
+    """Cluster ``cluster``'s training processes (not its torchrun agent)."""
+    return cluster_processes(cluster, launcher, agent=False)
 
 
 def _stream(cmd: list[str], log: Path, on_line=None) -> int:
