@@ -12,7 +12,7 @@ import argparse
 import math
 
 from megatron_dilocox import flags
-from megatron_dilocox.config import TWO_EXCHANGE_CODECS, CompressionConfig, DiLoCoXConfig, ExchangeConfig
+from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig, ExchangeConfig
 from megatron_dilocox.errors import ConfigError, require
 from megatron_dilocox.run_config import SECTIONS, ModelConfig, ParallelConfig, RunConfig
 
@@ -148,9 +148,6 @@ def _dilocox_configs(args, sections: dict):
         require(config.max_local_steps is None,
                 "--dilocox-max-local-steps (adaptive H) needs every cluster's timings each round, which "
                 "clusters joined by --dilocox-lighthouse do not share yet")
-        require(compression.codec not in TWO_EXCHANGE_CODECS,
-                f"--dilocox-compression {compression.codec} needs two exchanges per round, which "
-                "--dilocox-lighthouse does not support yet (use topk, quantize or none)")
     return config, compression, exchange
 
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
 CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
 """``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
-TWO_EXCHANGE_CODECS = ("lowrank", "lowrank-quantize")
-"""Codecs whose round takes two exchanges (PowerSGD's P, then Q), which a Lighthouse does not run yet."""
 QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
 """``--dilocox-quant-bits`` values each quantizing codec takes (the others send fp32)."""
 ALL_QUANT_BITS = tuple(sorted({b for bits in QUANT_BITS.values() for b in bits}, reverse=True))

@@ -1,7 +1,8 @@
 """The exchange between independent clusters on torchft (megatron_dilocox/outer/cluster_exchange.py):
 three single-rank clusters as separate processes around one Lighthouse. One cluster is killed
 (SIGKILL) between rounds and restarted; another sends a corrupt payload. Checked against a
-single-process replay of the same rounds. Then a cluster whose state no majority holds."""
+single-process replay of the same rounds. Then a cluster whose state no majority holds, and the
+low-rank codec's two exchanges as one round, against threads running the same codec."""
 
 import json
 import signal
@@ -21,6 +22,8 @@ import cluster_worker  # noqa: E402
 
 from megatron_dilocox.config import ExchangeConfig  # noqa: E402
 from megatron_dilocox.outer.cluster_exchange import majority_fingerprint  # noqa: E402
+from megatron_dilocox.outer.compression.reducer import CompressedReducer  # noqa: E402
+from megatron_dilocox.outer.link import Gathered  # noqa: E402
 
 ROUNDS, KILL_AFTER, HOLD, CORRUPT = 10, 2, 5, 7
 DIVERGE = 2
@@ -204,3 +207,103 @@ def test_a_state_no_majority_holds_stops_its_cluster(lighthouse, tmp_path, clust
             at = rounds[DIVERGE]
             assert at["clusters"] == [0, 2] and "fingerprint differs" in at["dropped"]["1"], at
         assert workers[0].rounds()[-1]["digest"] == workers[2].rounds()[-1]["digest"]
+
+
+class ThreadLink:
+    """The outer link of one replica among threads of one process, for a replay: every stage
+    all-gathers the ``senders``' payloads (the others of ``members`` receive only, healed)."""
+
+    verifies_state = True
+
+    def __init__(self, cluster, clusters, board, barrier, senders):
+        self.cluster, self.clusters, self.delivered = cluster, clusters, len(senders)
+        self.board, self.barrier, self.senders, self.stage = board, barrier, senders, 0
+
+    def run_round(self, body):
+        return body()
+
+    def all_gather(self, payload, counter=None, verify=None):
+        self.stage += 1
+        self.board[self.stage, self.cluster] = payload.clone()
+        self.barrier.wait()
+        rows = [self.board[self.stage, k] for k in self.senders]
+        return Gathered(torch.stack(rows), list(self.senders), sat_out=self.cluster not in self.senders)
+
+
+def replay_round(reducers, members, senders, rnd):
+    """One round of ``reducers`` (cluster -> CompressedReducer) over ``members``; the mean."""
+    board, barrier, out = {}, threading.Barrier(len(members)), {}
+
+    def run(k):
+        link = ThreadLink(k, 3, board, barrier, senders)
+        (out[k],) = reducers[k]([cluster_worker.lowrank_gradient(k, rnd)], link)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(out[k], out[members[0]]) for k in members)
+    return out[members[0]]
+
+
+def test_a_low_rank_round_is_one_commit_of_its_two_stages(lighthouse, tmp_path):
+    """Three clusters send the low-rank codec's two exchanges (P, then Q from the reduced P) as one
+    round. Cluster 2 freezes in round FREEZE's Q exchange, after its P was delivered: the others'
+    attempt fails, and they run the whole round again, P included, without it (the codec's state
+    untouched by the failed attempt). Killed and restarted, it heals at round HOLD from a peer:
+    global state, round counter, adaptive ranks and warm starts, and goes on bit-identical. Every
+    round equals a replay of the same codec in threads, over the clusters each round delivered."""
+    freeze, hold, rounds = 2, 5, 8
+    go = tmp_path / "go"
+    common = [str(rounds), lighthouse, "--lowrank", "--failure-timeout-s", "8", "--hold-round", str(hold),
+              "--hold-file", str(go), "--inner-s", "0.1"]
+    log = open(tmp_path / "stderr.txt", "w")
+    procs = []
+    try:
+        c0, c1 = (Cluster(f"c{k}", [str(k), "3", *common], log) for k in range(2))
+        c2 = Cluster("c2", ["2", "3", *common, "--freeze-round", str(freeze), "--freeze-stage", "2"], log)
+        procs += [c0, c1, c2]
+        c0.wait_for(lambda r: r.get("round") == freeze)
+        c2.proc.kill()
+        c2.proc.wait()
+        c2b = Cluster("c2b", ["2", "3", *common], log)
+        procs.append(c2b)
+        c2b.wait_for(lambda r: r["event"] == "up")
+        go.touch()
+        for c in (c0, c1, c2b):
+            assert c.proc.wait(timeout=240) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
+    finally:
+        _stop(procs, log)
+
+    by_round = {}
+    for c in (c0, c1, c2, c2b):
+        for r in c.rounds():
+            by_round.setdefault(r["round"], []).append(r)
+    assert [r["round"] for r in c0.rounds()] == [r["round"] for r in c1.rounds()] == list(range(rounds))
+    assert [r["round"] for r in c2.rounds()] == list(range(freeze))
+    assert [r["round"] for r in c2b.rounds()] == list(range(hold, rounds))
+    for rnd, reports in by_round.items():
+        assert len({(r["digest"], tuple(r["clusters"]), tuple(r["ranks"])) for r in reports}) == 1, reports
+    used = {rnd: reports[0]["clusters"] for rnd, reports in by_round.items()}
+    assert [used[rnd] for rnd in range(rounds)] == [[0, 1, 2]] * freeze + [[0, 1]] * (hold + 1 - freeze) + [
+        [0, 1, 2]] * (rounds - hold - 1)
+    assert c2b.rounds()[0]["healed_digest"] == by_round[hold - 1][0]["digest"]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers (OMP_NUM_THREADS=1): the same local matmuls
+    try:
+        reducers = {k: CompressedReducer(cluster_worker.SHAPES, cluster_worker.LOWRANK) for k in range(3)}
+        w = torch.zeros(cluster_worker.NUMEL_LOWRANK)
+        for rnd in range(rounds):
+            members = used[rnd]
+            if rnd == hold:  # the restarted cluster: a fresh codec, healed from cluster 0's
+                reducers[2] = CompressedReducer(cluster_worker.SHAPES, cluster_worker.LOWRANK)
+                reducers[2].join(reducers[0].serve())
+                members = [0, 1, 2]
+            w += replay_round(reducers, members, used[rnd], rnd)
+            assert cluster_worker.digest(w) == by_round[rnd][0]["digest"], rnd
+            assert reducers[0].last_stats["ranks"] == by_round[rnd][0]["ranks"]
+    finally:
+        torch.set_num_threads(threads)
+    assert len({tuple(r["ranks"]) for reports in by_round.values() for r in reports}) > 1  # the rank adapted

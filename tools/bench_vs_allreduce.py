@@ -24,8 +24,7 @@ uplink and downlink to ``--rate`` and removes them again (also on Ctrl-C or erro
 
 AllReduce runs as one torchrun job across the clusters. DiLoCoX runs as the product runs it: one
 torchrun job per cluster, joined by a torchft Lighthouse in cluster 0's namespace (``python
-tools/wan launch --cluster-jobs``), except with a low-rank codec, which needs two exchanges per
-round and runs as one job across the clusters.
+tools/wan launch --cluster-jobs``).
 
 ``--shaped-iters METHOD=N`` is for methods whose full run over the shaped link would take too
 long: their loss comes from a full run without shaping (the math does not depend on the link),

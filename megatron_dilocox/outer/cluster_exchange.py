@@ -10,8 +10,9 @@ so the ranks that hold the same shard in every live cluster exchange with each o
    ``state_dict`` over HTTP and hands it to ``load_state_dict``; the healed cluster's own payload
    was computed on stale state, so it sends none this round (``valid`` 0; a caller may also send
    none, ``valid=False``).
-2. **Payloads.** Every member all-gathers an envelope (cluster, round, valid, length, and the
-   caller's ``fingerprint`` of the state the payload was computed from) plus its payload. Each
+2. **Payloads**, in one stage or more (a low-rank codec sends P, then Q). In each, every member
+   all-gathers an envelope (cluster, round, valid, length, and the caller's ``fingerprint`` of
+   the state the payload was computed from) plus its payload. Each
    rank checks what it received (the envelope, a fingerprint equal to its own, then the caller's
    ``verify``, for example the codec frame's checksum), and the members all-gather their
    verdicts: a payload is used only if every member accepted it, so every survivor applies the
@@ -23,9 +24,9 @@ so the ranks that hold the same shard in every live cluster exchange with each o
    drop the other's payloads for the rest of the run: two runs, not one. (At the first round
    every difference is a configuration error, which :class:`ExchangeLink` reports.)
 3. **Commit.** ``should_commit`` is an AND vote of the cluster's ranks (an error in a collective,
-   a dead peer, fewer than ``min_clusters`` members: no). On no, the same round is tried again
-   with a fresh quorum, the same payload, until ``failure_timeout_s`` has passed since the
-   round began (plus ``failure_timeout_s`` once a peer was lost inside a quorum, and
+   a dead peer, fewer than ``min_clusters`` members: no), one per round whatever its stages. On
+   no, the whole round is tried again with a fresh quorum, every stage anew, until
+   ``failure_timeout_s`` has passed since the round began (plus ``failure_timeout_s`` once a peer was lost inside a quorum, and
    ``rejoin_timeout_s`` while fewer than ``min_clusters`` are live); then
    :class:`ClusterLossError`.
 
@@ -42,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ from megatron_dilocox.outer.link import Gathered, Verify, count, gathered_mean
 ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
 FINGERPRINT_BYTES = 32  # then the sender's fingerprint (a SHA-256) of the state its payload came from
 DIFFERENT_STATE = "its fingerprint differs from this cluster's"
+T = TypeVar("T")
 
 
 def _not_flight_recorder(record: logging.LogRecord) -> bool:
@@ -101,7 +103,7 @@ class Delivery:
     attempts: int = 1
     """Quorums this round took (more than 1 after a failure)."""
     seconds: float = 0.0
-    """From the first quorum to the commit."""
+    """From the round's first quorum to this delivery."""
 
 
 def majority_fingerprint(prints: list[bytes | None]) -> bytes | None:
@@ -171,21 +173,31 @@ class ClusterExchange:
 
     def exchange(self, payload: torch.Tensor, verify: Callable[[int, int, torch.Tensor], None] | None = None,
                  fingerprint: bytes = bytes(FINGERPRINT_BYTES), valid: bool = True) -> Delivery:
-        """All-gathers ``payload`` (CPU uint8, the same size on every cluster) with the live clusters.
+        """All-gathers ``payload`` (CPU uint8, the same size on every cluster) with the live clusters:
+        a round of one stage (:meth:`run_round`), whose committed delivery it returns."""
+        return self.run_round(lambda gather: gather(payload, verify), fingerprint, valid)
+
+    def run_round(self, body: Callable[[Callable[..., Delivery]], Any],
+                  fingerprint: bytes = bytes(FINGERPRINT_BYTES), valid: bool = True) -> Any:
+        """Runs ``body(gather)`` as one committed round and returns what it returns.
+
+        ``gather(payload, verify=None) -> Delivery`` is one stage: it all-gathers ``payload``
+        (CPU uint8, the same size on every cluster) within the round's quorum. A body may call it
+        several times (a low-rank codec sends P, then Q computed from the reduced P); all stages
+        share one quorum and one commit, so a cluster lost between two stages costs the attempt,
+        and the whole body runs again with the next quorum: it must change no state of its own
+        until the round returns. A failed stage returns no payloads rather than raising, so every
+        rank of a cluster runs the body's collectives inside its cluster in step.
 
         ``verify(cluster, round, payload)`` raises ``ValueError`` for a payload that must not be used
         (``round`` as :attr:`round` counts it, before the commit). ``fingerprint``
         (``FINGERPRINT_BYTES``): what every member's state must hash to; a payload sent with
         another is dropped (unless this cluster has just healed: its own state was stale).
         ``valid`` False: this cluster sends no payload this round (it takes part in the quorum
-        and receives the others').
-        Returns the committed round's delivery; raises :class:`ClusterLossError` if no round
-        commits within ``failure_timeout_s``.
+        and receives the others'). Raises :class:`ClusterLossError` if no round commits within
+        ``failure_timeout_s``.
         """
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
         cfg, mgr = self.config, self.manager
-        payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
         begin, attempts, why, healed = time.monotonic(), 0, "no quorum", False
         members = self.clusters  # of the last quorum
         retry = 0.0  # a peer lost inside a quorum: the next quorum gets a window of its own
@@ -206,40 +218,14 @@ class ClusterExchange:
                 time.sleep(0.5)  # the first round waits for every cluster (a lone first one would commit alone)
                 begin = time.monotonic()
                 continue
-            mine = self._envelope(payload, mgr.current_step(), fingerprint, valid=valid and not healed)
-            decoded = verdicts = prints = None
-            if not mgr.errored():
-                try:
-                    rows = [torch.empty_like(mine) for _ in range(self.pg.size())]
-                    self.pg.allgather([rows], [mine], AllgatherOptions()).wait()
-                    decoded = [self._open(row, mgr.current_step(), payload.numel(), verify,
-                                          None if healed else fingerprint) for row in rows]
-                    prints = [self._fingerprint(row) for row in rows]
-                    ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
-                    verdicts = [torch.empty_like(ok) for _ in rows]
-                    self.pg.allgather([verdicts], [ok], AllgatherOptions()).wait()
-                except Exception as err:  # a dead or frozen peer
-                    mgr.report_error(err)
-                    why = f"exchange: {err}"
-                    # A frozen peer holds the all-gather for the whole failure timeout.
-                    retry = cfg.failure_timeout_s
+            attempt = _Attempt(self, fingerprint, valid, healed, attempts, begin)
+            result = body(attempt.gather)
+            if attempt.failure is not None:
+                why, retry = attempt.failure, attempt.retry
             if mgr.should_commit():
-                majority = majority_fingerprint(prints)
-                voters = [v for v, p in zip(verdicts, prints) if majority is None or p in (None, majority)]
-                accepted = torch.stack(voters).min(0).values.bool().tolist()
-                delivery = Delivery(round=mgr.current_step() - 1, clusters=[], payloads=[], members=[],
-                                    healed=healed, attempts=attempts, seconds=time.monotonic() - begin)
-                for (cluster, body, reason), used in zip(decoded, accepted):  # members come in cluster order
-                    delivery.members.append(cluster)
-                    if used:
-                        delivery.clusters.append(cluster)
-                        delivery.payloads.append(body)
-                    else:
-                        delivery.dropped[cluster] = reason or "refused by another cluster"
-                own = None if healed or not valid else fingerprint  # a cluster that sent nothing is not judged
-                if delivery.round > 0 and own is not None and own != majority:
-                    raise StateDivergedError(self._diverged(prints, own, majority, delivery.round))
-                return delivery
+                if attempt.diverged is not None:
+                    raise StateDivergedError(attempt.diverged)
+                return result
             if members < cfg.min_clusters:
                 why = f"{members} live clusters, --dilocox-min-clusters is {cfg.min_clusters}"
                 if cfg.rejoin_timeout_s:
@@ -306,10 +292,66 @@ class ClusterExchange:
         return cluster, body, None
 
 
+class _Attempt:
+    """One quorum's try at a round (:meth:`ClusterExchange.run_round`): its stages, and what
+    went wrong in them."""
+
+    def __init__(self, exchange: ClusterExchange, fingerprint: bytes, valid: bool, healed: bool, attempts: int,
+                 begin: float):
+        self.exchange, self.fingerprint, self.healed = exchange, fingerprint, healed
+        self.valid = valid and not healed
+        self.attempts, self.begin = attempts, begin
+        self.failure: str | None = None  # why a stage failed (the attempt does not commit)
+        self.retry = 0.0  # the next quorum's own window, after a peer was lost inside this one
+        self.diverged: str | None = None  # this cluster's state is not the majority's
+
+    def gather(self, payload: torch.Tensor, verify: Callable[[int, int, torch.Tensor], None] | None = None) -> Delivery:
+        """One stage: every member's payload, checked, and the members' verdicts (see the module docstring)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        ex, mgr = self.exchange, self.exchange.manager
+        payload = payload.detach().to("cpu", torch.uint8).contiguous().view(-1)
+        step = mgr.current_step()
+        delivery = Delivery(round=step, clusters=[], payloads=[], members=[], healed=self.healed,
+                            attempts=self.attempts)
+        if mgr.errored():
+            return delivery
+        mine = ex._envelope(payload, step, self.fingerprint, valid=self.valid)
+        try:
+            rows = [torch.empty_like(mine) for _ in range(ex.pg.size())]
+            ex.pg.allgather([rows], [mine], AllgatherOptions()).wait()
+            decoded = [ex._open(row, step, payload.numel(), verify, None if self.healed else self.fingerprint)
+                       for row in rows]
+            prints = [ex._fingerprint(row) for row in rows]
+            ok = torch.tensor([reason is None for _, _, reason in decoded], dtype=torch.uint8)
+            verdicts = [torch.empty_like(ok) for _ in rows]
+            ex.pg.allgather([verdicts], [ok], AllgatherOptions()).wait()
+        except Exception as err:  # a dead or frozen peer
+            mgr.report_error(err)
+            self.failure = f"exchange: {err}"
+            self.retry = ex.config.failure_timeout_s  # a frozen peer holds the all-gather for the whole timeout
+            return delivery
+        majority = majority_fingerprint(prints)
+        voters = [v for v, p in zip(verdicts, prints) if majority is None or p in (None, majority)]
+        accepted = torch.stack(voters).min(0).values.bool().tolist()
+        for (cluster, body, reason), used in zip(decoded, accepted):  # members come in cluster order
+            delivery.members.append(cluster)
+            if used:
+                delivery.clusters.append(cluster)
+                delivery.payloads.append(body)
+            else:
+                delivery.dropped[cluster] = reason or "refused by another cluster"
+        own = self.fingerprint if self.valid else None  # a cluster that sent nothing is not judged
+        if step > 0 and own is not None and own != majority:
+            self.diverged = ex._diverged(prints, own, majority, step)
+        delivery.seconds = time.monotonic() - self.begin
+        return delivery
+
+
 class ExchangeLink:
     """The outer link (:mod:`~megatron_dilocox.outer.link`) of a cluster that runs as its own job:
-    every exchange is one committed round of a :class:`ClusterExchange` (made here, one per rank),
-    and a payload counts only if every rank of this cluster got it (``settle_group``: a gloo group
+    every round (:meth:`run_round`; an :meth:`all_gather` outside one is a round of its own) is
+    one committed round of a :class:`ClusterExchange` (made here, one per rank), and a payload counts only if every rank of this cluster got it (``settle_group``: a gloo group
     over the cluster, used by this link alone; None for a one-rank cluster). Each rank exchanges
     its own shard with its own quorum group, so a lost or corrupt cluster may be missing from one
     shard's delivery and not another's; the ranks take the intersection (one all-reduce of a
@@ -325,7 +367,7 @@ class ExchangeLink:
     * ``serve() -> state``: what a restarted cluster needs to continue (called by torchft while
       a round runs, when a peer heals; it must return copies);
     * ``on_heal(state)``: applies a live peer's ``serve()`` when this cluster heals, in the thread
-      that called :meth:`all_gather`, before that exchange's payloads are checked.
+      that called :meth:`run_round` (or :meth:`all_gather`), before the round's stages run.
 
     Exchanges start no extra collectives of their own (the fingerprint travels in each payload's
     envelope), so a cluster that restarts while the others run can take part in the round they
@@ -343,28 +385,54 @@ class ExchangeLink:
         self.fingerprint: Callable[[], bytes] | None = None
         self.serve: Callable[[], Any] | None = None
         self.on_heal: Callable[[Any], None] | None = None
-        self._used = list(range(self.clusters))  # the clusters the last exchange delivered
+        self.used = list(range(self.clusters))
+        """The clusters the last committed round delivered."""
         self._abstain = False
+        self._stage: Callable[..., Delivery] | None = None  # the running round's gather
+        self._last: tuple[Delivery, list[int]] | None = None  # its last stage, and the clusters used
 
     @property
     def delivered(self) -> int:
-        return len(self._used)
+        return len(self.used)
 
     def abstain_next(self) -> None:
         """The next exchange sends no payload from this cluster (its progress is stale)."""
         self._abstain = True
 
-    def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
-        check = None if verify is None else (lambda cluster, _round, body: verify(cluster, body))
+    def run_round(self, body: Callable[[], T]) -> T:
+        """Runs ``body()``, whose :meth:`all_gather` calls are the stages of one committed round
+        (:meth:`ClusterExchange.run_round`: after a failure the whole body runs again, so it must
+        leave its own state alone until this returns); inside a round, just ``body()``."""
+        if self._stage is not None:
+            return body()
         fingerprint = self.fingerprint() if self.fingerprint is not None else bytes(FINGERPRINT_BYTES)
-        delivery = self.exchange.exchange(payload, check, fingerprint, valid=not self._abstain)
-        sat_out = self._abstain or delivery.healed
+
+        def attempt(gather):
+            self._stage, self._last = gather, None
+            try:
+                return body()
+            finally:
+                self._stage = None
+
+        result = self.exchange.run_round(attempt, fingerprint, valid=not self._abstain)
         self._abstain = False
+        if self._last is not None:
+            self._report(*self._last)
+        return result
+
+    def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
+        """One stage of the running round (a round of its own outside :meth:`run_round`). A stage
+        that failed delivers nothing (the round does not commit and runs again)."""
+        if self._stage is None:
+            return self.run_round(lambda: self.all_gather(payload, counter, verify))
+        check = None if verify is None else (lambda cluster, _round, body: verify(cluster, body))
+        delivery = self._stage(payload, check)
+        sat_out = self._abstain or delivery.healed
         count(counter, payload.numel())
         if self.audit is not None:
             self.audit.count_exchange(payload.numel())
         used = delivery.clusters
-        if self.settle_group is not None:
+        if self.settle_group is not None:  # every stage, failed or not: the cluster's ranks stay in step
             mask = torch.zeros(self.clusters, dtype=torch.int32)
             mask[used] = 1
             dist.all_reduce(mask, op=dist.ReduceOp.MIN, group=self.settle_group)
@@ -377,14 +445,19 @@ class ExchangeLink:
                                f"{self.cluster} against " + "; ".join(f"cluster {c}: {w}" for c, w in differ.items())
                                + "): every cluster needs the same --seed, model and DiLoCoX flags")
         rows = [body for c, body in zip(delivery.clusters, delivery.payloads) if c in used]
-        if used != self._used and dist.get_rank() == 0:  # a membership change: one line per cluster job
+        self._last = (delivery, used)
+        empty = torch.empty(0, payload.numel(), dtype=torch.uint8)
+        return Gathered(torch.stack(rows) if rows else empty, used, sat_out)
+
+    def _report(self, delivery: Delivery, used: list[int]) -> None:
+        """Takes a committed round's last stage as the clusters delivered, with a console line
+        when they changed."""
+        if used != self.used and dist.get_rank() == 0:  # a membership change: one line per cluster job
             missing = sorted(set(range(self.clusters)) - set(used))
             reasons = "; ".join(f"cluster {c}: {delivery.dropped.get(c, 'not in the quorum')}" for c in missing)
             print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
                   f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
-        self._used = used
-        empty = torch.empty(0, payload.numel(), dtype=torch.uint8)
-        return Gathered(torch.stack(rows) if rows else empty, used, sat_out)
+        self.used = used
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         return gathered_mean(self, tensors, counter)

@@ -1,11 +1,13 @@
 """The outer link: how one rank reaches the ranks holding its shard in the other clusters.
 
-Everything the outer loop sends between clusters goes through a link's two calls, so the
+Everything the outer loop sends between clusters goes through a link's calls, so the
 reducers (:func:`~megatron_dilocox.outer.sync.allreduce_mean`, the compressed reducer) run one
 code path whether the clusters share one torch.distributed world or run as independent jobs:
 
 * :meth:`all_gather` returns every delivering cluster's bytes, in cluster order;
-* :meth:`mean` averages fp32 tensors in place, bit-identical on every rank that receives it.
+* :meth:`mean` averages fp32 tensors in place, bit-identical on every rank that receives it;
+* :meth:`run_round` makes several all-gathers one round (a low-rank codec's P and Q), which a
+  fault-tolerant link commits or retries as a whole.
 
 :class:`GroupLink` is a torch.distributed group with one rank per cluster (one world spanning
 every cluster: every cluster always delivers). The fault-tolerant link of clusters that run as
@@ -14,7 +16,7 @@ deliveries may leave out a lost cluster.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,7 @@ def all_gather_bytes(payload: torch.Tensor, group, counter=None) -> torch.Tensor
     return out.cpu().view(size, -1)
 
 
+T = TypeVar("T")
 Verify = Callable[[int, torch.Tensor], object]
 """``verify(cluster, payload)`` raises ValueError for a payload that must not be used."""
 
@@ -96,6 +99,11 @@ class OuterLink(Protocol):
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         """Every delivering cluster's ``payload`` (CPU uint8, the same size everywhere)."""
+
+    def run_round(self, body: Callable[[], T]) -> T:
+        """Runs ``body()``, whose :meth:`all_gather` calls are one round's exchanges (a low-rank
+        codec's two), delivered by the same clusters' quorum; a link that retries a failed round
+        runs ``body`` again, so it must change no state until this returns."""
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         """In-place fp32 mean over the delivering clusters."""
@@ -129,6 +137,9 @@ class GroupLink:
             for k in senders:
                 verify(k, rows[k])
         return Gathered(rows, senders)
+
+    def run_round(self, body: Callable[[], T]) -> T:
+        return body()  # every cluster always delivers: nothing to retry
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         """Sums with ``all_reduce``, then divides by C. The sum is bit-identical on all ranks:

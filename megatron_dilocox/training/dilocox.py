@@ -103,12 +103,12 @@ class DiLoCoX:
 
     def _serve(self) -> dict:
         """What a restarted cluster takes from this one to join the run (the link's ``serve``)."""
-        return {"sync": self.sync.serve(), "compressor_round": self.compressor.round if self.compressor else None}
+        return {"sync": self.sync.serve(), "compressor": self.compressor.serve() if self.compressor else None}
 
     def _on_heal(self, state: dict) -> None:
         self.sync.join(state["sync"])
         if self.compressor is not None:
-            self.compressor.join(state["compressor_round"])
+            self.compressor.join(state["compressor"])
 
     def take_rejoin(self) -> int | None:
         """The iteration the run is at, once after this cluster joined it from a live peer (the

@@ -1,13 +1,12 @@
 """The benchmarked methods and their runs: every method's pretrain_gpt.py flags, launched over the
 clusters' namespaces (or, unshaped, all in the first one) as one job across the clusters
-(AllReduce, and DiLoCoX with a low-rank codec) or as one job per cluster (compute-only, and
-DiLoCoX joined by a torchft Lighthouse), with progress lines and the shaped interfaces' byte counters."""
+(AllReduce) or as one job per cluster (compute-only, and DiLoCoX joined by a torchft
+Lighthouse), with progress lines and the shaped interfaces' byte counters."""
 
 import time
 from pathlib import Path
 
 import launch
-from megatron_dilocox.config import TWO_EXCHANGE_CODECS
 import netns
 from compare_runs import read_records
 from pretrain_flags import flag_value
@@ -23,13 +22,6 @@ METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters)
     "dilocox-sync": ("DiLoCoX sync", DILOCOX + ["--dilocox-sync-mode", "sync", "--dilocox-compression", "none"]),
     "allreduce": ("AllReduce", []),
 }
-
-
-def as_cluster_jobs(flags: list[str]) -> bool:
-    """DiLoCoX runs as one job per cluster, except with a low-rank codec (two exchanges per round,
-    which the Lighthouse's exchange does not run yet: docs/reliability.md)."""
-    codecs = [value for flag, value in zip(flags, flags[1:]) if flag == "--dilocox-compression"]
-    return "--dilocox" in flags and not (codecs and codecs[-1] in TWO_EXCHANGE_CODECS)  # (the last one counts)
 
 
 def run_order(methods: list[str], compute_only_repeats: int) -> list[str]:
@@ -125,7 +117,7 @@ class Bench:
         a, name = self.args, f"{method}{tag}"
         metrics = self.out / f"{name}.jsonl"
         flags = ["pretrain_gpt.py", *self._flags(method, iters, metrics, evaluate)]
-        if as_cluster_jobs(flags):
+        if "--dilocox" in flags:
             namespaces = [self.wan.namespace(k if shaped else 0) for k in range(a.clusters)]
             addresses = [self.wan.address(k) if shaped else "127.0.0.1" for k in range(a.clusters)]
             lighthouse, cmds = launch.cluster_jobs(namespaces, addresses, a.ranks_per_cluster, flags, a.master_port)

@@ -134,23 +134,27 @@ class CompressedReducer:
 
     def _reduce(self, delta: torch.Tensor, link: OuterLink) -> torch.Tensor:
         self.round += 1
-        r = _Round(link, self.counter, delta.device)
-        ranks_used = list(self.ranks)
-        if not self._agreed and not link.verifies_state:
-            self._handshake(r)
+        if self.config.error_feedback:
+            if self.residual is None:
+                self.residual = torch.zeros_like(delta)
+            self.residual = self.residual.to(delta.device)  # a no-op unless just loaded
 
-        with r.timed("encode"):
-            if self.config.error_feedback:
-                if self.residual is None:
-                    self.residual = torch.zeros_like(delta)
-                self.residual = self.residual.to(delta.device)  # a no-op unless just loaded
-                x = delta + self.residual
-            else:
-                x = delta
-        if self.matrices:
-            out, own = self._lowrank_round(x, r)
-        else:
-            out, own = self._dense_round(x, r)
+        def attempt():
+            # One round's exchanges, run again after a failure (OuterLink.run_round): nothing of
+            # this reducer's state changes in here. A cluster healed from a peer took its
+            # counter and warm starts before this runs (join).
+            r = _Round(link, self.counter, delta.device)
+            if not self._agreed and not link.verifies_state:
+                self._handshake(r)
+            with r.timed("encode"):
+                x = delta + self.residual if self.config.error_feedback else delta
+            if self.matrices:
+                return (r, x, list(self.ranks), *self._lowrank_round(x, r))
+            return (r, x, [], *self._dense_round(x, r), None)
+
+        r, x, ranks_used, out, own, warm = link.run_round(attempt)
+        if warm is not None:
+            self.ranks, self._outside, self._q = warm
 
         with r.timed("encode"):
             # What compression dropped this round (the next residual under error feedback).
@@ -203,16 +207,16 @@ class CompressedReducer:
         with r.timed("decode"):
             return r.div(total), mine
 
-    def _lowrank_round(self, x: torch.Tensor, r: _Round) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, own decoded): low-rank matrices in two exchanges, the dense tensors with P."""
+    def _lowrank_round(self, x: torch.Tensor, r: _Round):
+        """(mean, own decoded, (ranks, outside, warm starts) for the next round): low-rank
+        matrices in two exchanges, the dense tensors with P."""
         out, own = torch.empty_like(x), torch.empty_like(x)
         mats = [x[a.offset: a.offset + a.m * a.n].view(a.m, a.n) for a in self.matrices]
         dense_numels = [n for _, n in self.dense]
         with r.timed("encode"):
             missing = [(i, None, [], self.ranks[i]) for i, q in enumerate(self._q) if q is None]
-            for (i, *_), q in zip(missing, self._warm_starts(missing)):
-                self._q[i] = q  # first round: seeded random starts, the same on every rank
-            qs = [q.to(x.device) for q in self._q]
+            first = dict(zip([i for i, *_ in missing], self._warm_starts(missing)))  # seeded: the same on every rank
+            qs = [(first[i] if q is None else q).to(x.device) for i, q in enumerate(self._q)]
             ps = [m @ q for m, q in zip(mats, qs)]
             codec = SegmentCodec([p.numel() for p in ps] + dense_numels, self.payload_bits, self.config.block)
             body = codec.encode(ps + self._dense_parts(x))
@@ -234,25 +238,26 @@ class CompressedReducer:
         with r.timed("decode"):
             q_mean = _split(r.div(total), [q.shape for q in qs_local])
             q_own = _split(mine, [q.shape for q in qs_local])
-            plans = []
+            plans, outside = [], []
             for i, a in enumerate(self.matrices):
                 span = slice(a.offset, a.offset + a.m * a.n)
                 lowrank.reconstruct(p_hat[i], q_mean[i], out[span].view(a.m, a.n))
                 torch.matmul(p_hat[i], q_own[i].T, out=own[span].view(a.m, a.n))  # local only
-                plans.append(self._plan(i, q_mean[i]))
-            self._q = self._warm_starts(plans)
-        return out, own
+                plan, beyond = self._plan(i, q_mean[i])
+                plans.append(plan)
+                outside.append(beyond)
+        return out, own, ([rank for *_, rank in plans], outside, self._warm_starts(plans))
 
-    def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[int, torch.Tensor, list[int], int]:
-        """Next round's rank of matrix i and the columns of this round's Q to start it from."""
+    def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[tuple[int, torch.Tensor, list[int], int], float]:
+        """Next round's rank of matrix i and the columns of this round's Q to start it from, as a
+        plan for :meth:`_warm_starts`, and the energy beyond the new window (``choose_rank``)."""
         r = self.ranks[i]
         if not self.config.adaptive:
-            return i, q_mean, list(range(r)), r
-        new, keep, self._outside[i] = lowrank.choose_rank(
+            return (i, q_mean, list(range(r)), r), self._outside[i]
+        new, keep, outside = lowrank.choose_rank(
             lowrank.column_energy(q_mean), r, min(self.config.min_rank, self.matrices[i].max_rank),
             self.matrices[i].max_rank, self.config.rank_energy, self._outside[i])
-        self.ranks[i] = new
-        return i, q_mean, keep, new
+        return (i, q_mean, keep, new), outside
 
     def _warm_starts(self, plans) -> list[torch.Tensor]:
         """Orthonormal (n, rank) starts from kept Q columns plus seeded random ones.
@@ -342,11 +347,24 @@ class CompressedReducer:
         return dict(setup=self._setup(), round=self.round, ranks=list(self.ranks),
                     outside=list(self._outside), q=list(self._q), residual=self.residual)
 
-    def join(self, round: int) -> None:
-        """Takes a live peer's round counter when this cluster heals from it (called within the
-        exchange, before the payloads are checked against this round); the round then counts
-        this cluster's own payload as not sent and drops its residual."""
-        self.round = int(round)
+    def serve(self) -> dict[str, Any]:
+        """What every cluster holds alike, for a cluster that heals from this one (:meth:`join`):
+        the round counter, and the low-rank ranks and warm starts. Copies: called from torchft's
+        thread while a round runs, before its exchanges."""
+        return dict(round=self.round, ranks=list(self.ranks), outside=list(self._outside),
+                    q=[None if q is None else q.clone() for q in self._q])
+
+    def join(self, state: dict[str, Any]) -> None:
+        """Takes a live peer's :meth:`serve` when this cluster heals from it (called before the
+        round's exchanges); the round then counts this cluster's own payload as not sent and
+        drops its residual."""
+        if len(state["q"]) != len(self._q):
+            raise ValueError(f"a peer compresses {len(state['q'])} low-rank matrices, this rank "
+                             f"{len(self._q)}: the clusters run different models or layouts")
+        self.round = int(state["round"])
+        self.ranks = [int(r) for r in state["ranks"]]
+        self._outside = [float(o) for o in state["outside"]]
+        self._q = [None if q is None else q.clone() for q in state["q"]]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` output (tensors are copied); the next call re-handshakes."""
