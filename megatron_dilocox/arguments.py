@@ -144,10 +144,6 @@ def _dilocox_configs(args, sections: dict):
         exchange.validate(clusters)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if exchange.lighthouse:
-        require(config.max_local_steps is None,
-                "--dilocox-max-local-steps (adaptive H) needs every cluster's timings each round, which "
-                "clusters joined by --dilocox-lighthouse do not share yet")
     return config, compression, exchange
 
 

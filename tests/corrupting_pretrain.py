@@ -14,8 +14,8 @@ CLUSTER, ROUND = (int(v) for v in os.environ["CORRUPT_CLUSTER_ROUND"].split(":")
 _envelope = ClusterExchange._envelope
 
 
-def _corrupted_envelope(self, payload, step, fingerprint, valid):
-    row = _envelope(self, payload, step, fingerprint, valid)
+def _corrupted_envelope(self, payload, step, fingerprint, valid, timings):
+    row = _envelope(self, payload, step, fingerprint, valid, timings)
     if self.config.cluster_index == CLUSTER and step == ROUND and valid:
         row[-1] ^= 0x5A
     return row

@@ -2,6 +2,7 @@
 megatron_dilocox.launch``): the same numbers as one world spanning the clusters, and a lost
 cluster that does not stop the others."""
 
+import math
 import signal
 import subprocess
 import sys
@@ -211,12 +212,14 @@ def test_below_min_clusters_the_survivor_waits_for_a_rejoin(tmp_path):
 
 
 def test_a_corrupt_payload_is_dropped_and_its_sender_goes_on(tmp_path):
-    """2 single-rank clusters, the default codec (topk with error feedback, ``delay``). Cluster 1's
-    payload of outer round 2 has a byte flipped after framing: cluster 0 refuses it (checksum),
-    names it, and both apply that round with cluster 0's payload alone. Cluster 1, whose own
-    payload was refused, takes part as a cluster that lost its round (it does not stop): every
-    other round averages both, and both clusters end at the same validation loss."""
-    flags = MODEL + ["--train-iters", "40", "--eval-interval", "20", "--metrics-file", str(tmp_path / "m.jsonl")]
+    """2 single-rank clusters, the default codec (topk with error feedback, ``delay``), adaptive H
+    over an exchange slowed to 1 s. Cluster 1's payload of outer round 2 has a byte flipped after
+    framing: cluster 0 refuses it (checksum), names it, and both apply that round with cluster 0's
+    payload alone. Cluster 1, whose own payload was refused, takes part as a cluster that lost
+    its round (it does not stop): every other round averages both, both clusters choose the same
+    H from the timings every payload's envelope carries, and they end at the same validation loss."""
+    flags = MODEL + ["--train-iters", "40", "--eval-interval", "20", "--metrics-file", str(tmp_path / "m.jsonl"),
+                     "--dilocox-min-local-steps", "2", "--dilocox-max-local-steps", "8", "--dilocox-emulated-delay-s", "1"]
     jobs = launch(2, 1, flags, script=REPO / "tests" / "corrupting_pretrain.py",
                   env=worker_env(CORRUPT_CLUSTER_ROUND="1:2"))
     out, _ = jobs.communicate(timeout=900)
@@ -224,9 +227,14 @@ def test_a_corrupt_payload_is_dropped_and_its_sender_goes_on(tmp_path):
     named = [line for line in out.splitlines() if "round 2: 1 of 2 clusters delivered (cluster 1:" in line]
     assert len(named) == 2 and all("failed its checksum" in line for line in named), out[-6000:]  # one per cluster
     metrics = [read_jsonl(tmp_path / name) for name in ("m.jsonl", "m.cluster-1.jsonl")]
-    rounds = [[(r["iteration"], r["participants"]) for r in m if "outer_step" in r] for m in metrics]
+    rounds = [[(r["iteration"], r["participants"], r["local_steps"], r.get("slowest_exchange_s"), r.get("slowest_step_s"))
+               for r in m if "outer_step" in r and not r["drain"]] for m in metrics]
     # delay: each record holds the reduction launched at the boundary before (none at the first).
-    participants = [n for _, n in rounds[0]]
+    participants = [n for _, n, *_ in rounds[0]]
     assert rounds[0] == rounds[1] and participants == [0, 2, 2, 1] + [2] * (len(participants) - 4), rounds
+    # H follows the rule from the third round on, which has the first exchange's time (1 s at least).
+    assert [(h, exchange) for _, _, h, exchange, _ in rounds[0][:2]] == [(5, None), (5, None)], rounds
+    for _, _, h, exchange, step in rounds[0][2:]:
+        assert exchange >= 1 and h == min(max(math.ceil(1.2 * exchange / step), 2), 8), rounds
     finals = [[r["val_loss"] for r in m if "val_loss" in r] for m in metrics]
     assert finals[0] == finals[1] and len(finals[0]) == 2, finals

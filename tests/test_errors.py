@@ -46,8 +46,6 @@ def assert_one_line_error(proc, *needles):
     (["--dilocox", "--dilocox-compression", "none", "--dilocox-flush-residual"], ["--dilocox-flush-residual"]),
     (["--dilocox-lighthouse", "localhost:29510"], ["--dilocox-lighthouse needs --dilocox"]),
     (["--dilocox", "--dilocox-lighthouse", "localhost:29510"], ["--dilocox-cluster-index in 0..1, got None"]),
-    (["--dilocox", "--dilocox-lighthouse", "localhost:29510", "--dilocox-cluster-index", "1",
-      "--dilocox-max-local-steps", "40"], ["--dilocox-max-local-steps"]),
     (["--sequence-parallel"], ["--sequence-parallel"]),
     (["--save-interval", "10"], ["--save-interval needs --save"]),
     (["--load", "/nonexistent/ckpt"], ["--load", "/nonexistent/ckpt"]),

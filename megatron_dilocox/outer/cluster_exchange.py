@@ -11,8 +11,8 @@ so the ranks that hold the same shard in every live cluster exchange with each o
    was computed on stale state, so it sends none this round (``valid`` 0; a caller may also send
    none, ``valid=False``).
 2. **Payloads**, in one stage or more (a low-rank codec sends P, then Q). In each, every member
-   all-gathers an envelope (cluster, round, valid, length, and the caller's ``fingerprint`` of
-   the state the payload was computed from) plus its payload. Each
+   all-gathers an envelope (cluster, round, valid, length, the caller's ``fingerprint`` of the
+   state the payload was computed from, and the ``timings`` adaptive H decides from) plus its payload. Each
    rank checks what it received (the envelope, a fingerprint equal to its own, then the caller's
    ``verify``, for example the codec frame's checksum), and the members all-gather their
    verdicts: a payload is used only if every member accepted it, so every survivor applies the
@@ -38,6 +38,7 @@ quorum has a ``failure_timeout_s`` of its own, since a frozen peer used up the f
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -54,6 +55,8 @@ from megatron_dilocox.outer.link import Gathered, Verify, count, gathered_mean
 
 ENVELOPE = 4  # int64 fields before the payload: cluster, round, valid, payload length
 FINGERPRINT_BYTES = 32  # then the sender's fingerprint (a SHA-256) of the state its payload came from
+TIMINGS = 2  # then float64 timings the sender carries for adaptive H (NaN: none), then the payload
+HEAD_BYTES = ENVELOPE * 8 + FINGERPRINT_BYTES + TIMINGS * 8
 DIFFERENT_STATE = "its fingerprint differs from this cluster's"
 T = TypeVar("T")
 
@@ -100,6 +103,8 @@ class Delivery:
     """This cluster's state was replaced by a live peer's in this round."""
     dropped: dict[int, str] = field(default_factory=dict)
     """Cluster -> why its payload was not used (healed, or failed a check on some member)."""
+    timings: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """Cluster -> the ``timings`` it sent with its payload, for the clusters in ``clusters``."""
     attempts: int = 1
     """Quorums this round took (more than 1 after a failure)."""
     seconds: float = 0.0
@@ -178,7 +183,8 @@ class ClusterExchange:
         return self.run_round(lambda gather: gather(payload, verify), fingerprint, valid)
 
     def run_round(self, body: Callable[[Callable[..., Delivery]], Any],
-                  fingerprint: bytes = bytes(FINGERPRINT_BYTES), valid: bool = True) -> Any:
+                  fingerprint: bytes = bytes(FINGERPRINT_BYTES), valid: bool = True,
+                  timings: tuple[float, ...] | None = None) -> Any:
         """Runs ``body(gather)`` as one committed round and returns what it returns.
 
         ``gather(payload, verify=None) -> Delivery`` is one stage: it all-gathers ``payload``
@@ -194,8 +200,9 @@ class ClusterExchange:
         (``FINGERPRINT_BYTES``): what every member's state must hash to; a payload sent with
         another is dropped (unless this cluster has just healed: its own state was stale).
         ``valid`` False: this cluster sends no payload this round (it takes part in the quorum
-        and receives the others'). Raises :class:`ClusterLossError` if no round commits within
-        ``failure_timeout_s``.
+        and receives the others'). ``timings`` (``TIMINGS`` floats) travel with every stage's
+        payload to :attr:`Delivery.timings`. Raises :class:`ClusterLossError` if no round
+        commits within ``failure_timeout_s``.
         """
         cfg, mgr = self.config, self.manager
         begin, attempts, why, healed = time.monotonic(), 0, "no quorum", False
@@ -218,7 +225,7 @@ class ClusterExchange:
                 time.sleep(0.5)  # the first round waits for every cluster (a lone first one would commit alone)
                 begin = time.monotonic()
                 continue
-            attempt = _Attempt(self, fingerprint, valid, healed, attempts, begin)
+            attempt = _Attempt(self, fingerprint, valid, healed, attempts, begin, timings)
             result = body(attempt.gather)
             if attempt.failure is not None:
                 why, retry = attempt.failure, attempt.retry
@@ -247,12 +254,15 @@ class ClusterExchange:
             raise ClusterLossError(f"cluster {self.config.cluster_index}: no outer round committed within "
                                    f"--dilocox-failure-timeout-s {self.config.failure_timeout_s:g} ({why})")
 
-    def _envelope(self, payload: torch.Tensor, step: int, fingerprint: bytes, valid: bool) -> torch.Tensor:
+    def _envelope(self, payload: torch.Tensor, step: int, fingerprint: bytes, valid: bool,
+                  timings: tuple[float, ...] | None) -> torch.Tensor:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise ValueError(f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
         head = torch.tensor([self.config.cluster_index, step, int(valid), payload.numel()], dtype=torch.int64)
+        times = torch.tensor(timings if timings is not None else [math.nan] * TIMINGS, dtype=torch.float64)
         body = payload if valid else torch.zeros_like(payload)
-        return torch.cat([head.view(torch.uint8), torch.frombuffer(bytearray(fingerprint), dtype=torch.uint8), body])
+        return torch.cat([head.view(torch.uint8), torch.frombuffer(bytearray(fingerprint), dtype=torch.uint8),
+                          times.view(torch.uint8), body])
 
     def _diverged(self, prints: list[bytes | None], mine: bytes, majority: bytes | None, round_: int) -> str:
         senders = [p for p in prints if p is not None]
@@ -277,7 +287,7 @@ class ClusterExchange:
         ``fingerprint`` None: not compared."""
         cluster, sent_step, valid, length = row[: ENVELOPE * 8].view(torch.int64).tolist()
         theirs = row[ENVELOPE * 8: ENVELOPE * 8 + FINGERPRINT_BYTES].numpy().tobytes()
-        body = row[ENVELOPE * 8 + FINGERPRINT_BYTES:]
+        body = row[HEAD_BYTES:]
         if not valid:
             return cluster, body, "sent no payload this round (it healed: its state was stale)"
         if (sent_step, length) != (step, numel):
@@ -297,8 +307,8 @@ class _Attempt:
     went wrong in them."""
 
     def __init__(self, exchange: ClusterExchange, fingerprint: bytes, valid: bool, healed: bool, attempts: int,
-                 begin: float):
-        self.exchange, self.fingerprint, self.healed = exchange, fingerprint, healed
+                 begin: float, timings: tuple[float, ...] | None):
+        self.exchange, self.fingerprint, self.healed, self.timings = exchange, fingerprint, healed, timings
         self.valid = valid and not healed
         self.attempts, self.begin = attempts, begin
         self.failure: str | None = None  # why a stage failed (the attempt does not commit)
@@ -316,7 +326,7 @@ class _Attempt:
                             attempts=self.attempts)
         if mgr.errored():
             return delivery
-        mine = ex._envelope(payload, step, self.fingerprint, valid=self.valid)
+        mine = ex._envelope(payload, step, self.fingerprint, valid=self.valid, timings=self.timings)
         try:
             rows = [torch.empty_like(mine) for _ in range(ex.pg.size())]
             ex.pg.allgather([rows], [mine], AllgatherOptions()).wait()
@@ -334,11 +344,12 @@ class _Attempt:
         majority = majority_fingerprint(prints)
         voters = [v for v, p in zip(verdicts, prints) if majority is None or p in (None, majority)]
         accepted = torch.stack(voters).min(0).values.bool().tolist()
-        for (cluster, body, reason), used in zip(decoded, accepted):  # members come in cluster order
+        for row, (cluster, body, reason), used in zip(rows, decoded, accepted):  # members come in cluster order
             delivery.members.append(cluster)
             if used:
                 delivery.clusters.append(cluster)
                 delivery.payloads.append(body)
+                delivery.timings[cluster] = tuple(row[HEAD_BYTES - TIMINGS * 8: HEAD_BYTES].view(torch.float64).tolist())
             else:
                 delivery.dropped[cluster] = reason or "refused by another cluster"
         own = self.fingerprint if self.valid else None  # a cluster that sent nothing is not judged
@@ -389,6 +400,8 @@ class ExchangeLink:
         """The clusters the last committed round delivered."""
         self._abstain = False
         self._stage: Callable[..., Delivery] | None = None  # the running round's gather
+        self.timings: tuple[float, ...] | None = None
+        self._peak: tuple[float, ...] | None = None
         self._last: tuple[Delivery, list[int]] | None = None  # its last stage, and the clusters used
 
     @property
@@ -414,7 +427,7 @@ class ExchangeLink:
             finally:
                 self._stage = None
 
-        result = self.exchange.run_round(attempt, fingerprint, valid=not self._abstain)
+        result = self.exchange.run_round(attempt, fingerprint, valid=not self._abstain, timings=self.timings)
         self._abstain = False
         if self._last is not None:
             self._report(*self._last)
@@ -458,6 +471,11 @@ class ExchangeLink:
             print(f"> DiLoCoX outer exchange round {delivery.round}: {len(used)} of {self.clusters} clusters "
                   f"delivered{' (' + reasons + ')' if reasons else ''}", file=sys.stderr, flush=True)
         self.used = used
+        carried = [delivery.timings[c] for c in used if not math.isnan(delivery.timings[c][0])]
+        self._peak = tuple(map(max, zip(*carried))) if carried else None
+
+    def peak_timings(self) -> tuple[float, ...] | None:
+        return self._peak
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         return gathered_mean(self, tensors, counter)

@@ -96,6 +96,13 @@ class OuterLink(Protocol):
     verifies_state: bool
     """Whether every exchange checks that the senders' states agree (then the outer loop needs no
     start-up hash or codec handshake of its own)."""
+    timings: tuple[float, ...] | None
+    """What this rank sends along with its next round (adaptive H's measurements; None: nothing),
+    set by the thread that runs the rounds."""
+
+    def peak_timings(self) -> tuple[float, ...] | None:
+        """The elementwise maximum of the ``timings`` the clusters that delivered the last round
+        sent with it (None: none sent any), the same on each rank of those clusters' outer group."""
 
     def all_gather(self, payload: torch.Tensor, counter=None, verify: Verify | None = None) -> Gathered:
         """Every delivering cluster's ``payload`` (CPU uint8, the same size everywhere)."""
@@ -124,6 +131,7 @@ class GroupLink:
     of them received the same bytes."""
 
     verifies_state = False
+    timings = None
 
     def __init__(self, group):
         self.group = group
@@ -140,6 +148,16 @@ class GroupLink:
 
     def run_round(self, body: Callable[[], T]) -> T:
         return body()  # every cluster always delivers: nothing to retry
+
+    def peak_timings(self) -> tuple[float, ...] | None:
+        """One all-reduce of the ``timings`` (set on every rank alike, or on none)."""
+        if self.timings is None:
+            return None
+        t = torch.tensor(self.timings, dtype=torch.float64)
+        if self.group is not None:
+            t = t.to(comm_device(self.group))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(t.tolist())
 
     def mean(self, tensors: list[torch.Tensor], counter=None) -> list[torch.Tensor]:
         """Sums with ``all_reduce``, then divides by C. The sum is bit-identical on all ranks:

@@ -139,6 +139,7 @@ class _Reduced(NamedTuple):
     participants: int
     codec: dict | None  # the reducer's last_stats, taken right after this reduction
     joined: dict | None = None  # a live peer's serve(), when this cluster healed in this reduction
+    peak_timings: tuple[float, ...] | None = None  # the link's, right after this reduction
 
 
 def _done(result: _Reduced) -> concurrent.futures.Future:
@@ -226,12 +227,21 @@ class OuterSync:
         self._joining: dict | None = None  # a peer's state, handed over within the running reduction
         self.joined_at: int | None = None  # see join()
         self._stale = False  # the live params hold progress made before a join
+        self._last_comm_s = 0.0  # the worker's: the last reduction's comm_s, carried by the next one
+        self.peak_timings: tuple[float, ...] | None = None
+        """Of the reduction collected last: the maxima over the clusters that delivered it of the
+        (previous reduction's comm s, time per inner step) their ranks sent with it (see
+        :meth:`step`'s ``step_s``); None if it carried none."""
         # One worker: reductions run one at a time, in launch order, on every rank.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
     @torch.no_grad()
-    def step(self, iteration: int) -> RoundStats:
-        """Round boundary; call after every H inner steps, on every rank, in the same order."""
+    def step(self, iteration: int, step_s: float | None = None) -> RoundStats:
+        """Round boundary; call after every H inner steps, on every rank, in the same order.
+
+        ``step_s`` (adaptive H): this round's time per inner step; the reduction launched now
+        carries it to every cluster, with the comm time of the reduction before it
+        (:attr:`peak_timings`). Give it at every boundary or at none."""
         self.outer_step += 1
         self._iteration = iteration
         mode = self.config.sync_mode
@@ -240,7 +250,7 @@ class OuterSync:
         sq = float(torch.dot(delta, delta))
 
         if mode == "sync":
-            self._submit(delta)
+            self._submit(delta, step_s)
         # sync: this round's; delay modes: the previous round's, unless land() applied it already.
         result, wait_s = self._wait()
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
@@ -273,7 +283,7 @@ class OuterSync:
             self.round_start.copy_(self.base)
         self._write_params(self.round_start)
         if mode != "sync":
-            self._submit(delta)  # hands delta over to the worker; no more reads here
+            self._submit(delta, step_s)  # hands delta over to the worker; no more reads here
 
         return RoundStats(**asdict(applied), outer_step=self.outer_step, iteration=iteration,
                           pseudo_grad_norm=math.sqrt(sq), pseudo_grad_sq=sq, codec=self._codec)
@@ -450,13 +460,15 @@ class OuterSync:
         for p, v in zip(self.params, self.views(flat)):
             p.copy_(v)
 
-    def _submit(self, delta: torch.Tensor) -> None:
+    def _submit(self, delta: torch.Tensor, step_s: float | None) -> None:
         assert self._inflight is None, "a reduction is already in flight"
         self._launched = {"outer_step": self.outer_step, "iteration": self._iteration}
-        self._inflight = self._executor.submit(self._reduce, delta)
+        self._inflight = self._executor.submit(self._reduce, delta, step_s)
 
-    def _reduce(self, delta: torch.Tensor) -> _Reduced:
+    def _reduce(self, delta: torch.Tensor, step_s: float | None) -> _Reduced:
         # Runs in the worker thread; owns ``delta`` (a private tensor) and nothing else.
+        if step_s is not None:
+            self.group.timings = (self._last_comm_s, step_s)
         start_bytes, start = self.counter.bytes, time.perf_counter()
         if self.config.emulated_delay_s > 0:
             time.sleep(self.config.emulated_delay_s)  # a slow link, for benchmarks and tests
@@ -464,8 +476,10 @@ class OuterSync:
         assert g.shape == delta.shape and g.dtype == torch.float32
         codec = getattr(self.reducer, "last_stats", None)  # read here: the next reduction replaces it
         joined, self._joining = self._joining, None
-        return _Reduced(g, time.perf_counter() - start, self.counter.bytes - start_bytes, self.group.delivered,
-                        dict(codec) if codec else None, joined)
+        self._last_comm_s = time.perf_counter() - start
+        return _Reduced(g, self._last_comm_s, self.counter.bytes - start_bytes, self.group.delivered,
+                        dict(codec) if codec else None, joined,
+                        self.group.peak_timings() if step_s is not None else None)
 
     def _wait(self) -> tuple[_Reduced | None, float]:
         if self._inflight is None:
@@ -482,6 +496,7 @@ class OuterSync:
             self._inflight = None  # the reduction failed: nothing of it is applied, the state stays as it was
             raise
         self._inflight = None
+        self.peak_timings = result.peak_timings
         if result.joined is not None:
             self._take(result.joined)
             result = result._replace(joined=None)

@@ -176,17 +176,22 @@ class DiLoCoX:
         if self.sync.joined_at is not None:
             self._after_join(self.sync.joined_at + self.config.landing)
 
-    def _adapt_local_steps(self, comm_s: float, compute_s: float) -> dict[str, float]:
+    def _adapt_local_steps(self) -> dict[str, float]:
         """Adaptive H: the fewest steps whose compute covers the slowest exchange, +20%.
 
-        Every rank of every cluster must decide alike, so the decision uses the maxima over the
-        world of the measured exchange time and time per step (one 16-byte reduction per round),
-        which it returns for the round's record.
+        Every rank of every cluster must decide alike, so the decision uses the maxima of the
+        exchange time and time per step that every rank of the clusters that delivered the
+        reduction just applied sent with it (:attr:`OuterSync.peak_timings`, then the maximum
+        over this cluster's ranks: one 16-byte all-reduce inside it), which it returns for the
+        round's record. A reduction carries the exchange time of the one before it, so H follows
+        the exchange a round or two late; until one is measured, H stays.
         """
-        measured = torch.tensor([comm_s, compute_s / self.local_steps], dtype=torch.float64, device=device())
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        measured = torch.tensor(self.sync.peak_timings or (0.0, 0.0), dtype=torch.float64, device=device())
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.topo.cluster_group)
         comm_s, step_s = measured.tolist()
-        wanted = math.ceil(1.2 * comm_s / step_s) if step_s > 0 else self.local_steps
+        if not (comm_s > 0 and step_s > 0):
+            return {}
+        wanted = math.ceil(1.2 * comm_s / step_s)
         self.local_steps = min(max(wanted, self.config.min_local_steps or 1), self.config.max_local_steps)
         return {"slowest_exchange_s": comm_s, "slowest_step_s": step_s}
 
@@ -227,18 +232,19 @@ class DiLoCoX:
     def step(self, iteration: int) -> OuterRound:
         """The round boundary after ``iteration``; returns the round's record."""
         compute_s = time.perf_counter() - self._round_start_time
+        adaptive = self.config.max_local_steps is not None
         try:
-            stats = self.sync.step(iteration)
+            stats = self.sync.step(iteration, compute_s / self.local_steps if adaptive else None)
         except ClusterLossError:
             self.next_boundary = iteration + self.local_steps  # as above
             raise
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         adapted = {}
-        if self.config.max_local_steps is None:
+        if not adaptive:
             self.local_steps = self.config.local_steps_at(iteration)
         elif stats.bytes_sent:
-            adapted = self._adapt_local_steps(stats.comm_s, compute_s)
+            adapted = self._adapt_local_steps()
         record = self._record(stats, drain=False, round_compute_s=compute_s, local_steps=self.local_steps, **adapted)
         self.next_boundary = iteration + self.local_steps
         if self.sync.joined_at is not None:  # sync: applied where launched; delay, eager: one round later

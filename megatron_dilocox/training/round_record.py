@@ -54,9 +54,10 @@ class OuterRound(AppliedReduction):
     local_steps: int | None = None
     """H of the next round (not for a drain)."""
     slowest_exchange_s: float | None = None
-    """Adaptive H: the longest exchange over the world, from which ``local_steps`` was chosen."""
+    """Adaptive H: the longest exchange over every cluster's ranks (measured a round or two
+    earlier), from which ``local_steps`` was chosen."""
     slowest_step_s: float | None = None
-    """Adaptive H: the longest time per inner step over the world, likewise."""
+    """Adaptive H: the longest time per inner step over every cluster's ranks, likewise."""
     cross_cluster_bytes_between_boundaries: int | None = None
     """Bytes the training thread sent across clusters outside boundaries so far (must be 0);
     with clusters only."""
