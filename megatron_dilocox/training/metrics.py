@@ -124,8 +124,8 @@ class MetricsLogger:
             + (f" cross-cluster bytes between boundaries: {r.cross_cluster_bytes_between_boundaries} |"
                if r.cross_cluster_bytes_between_boundaries is not None else "")
             + (f" dense bytes: {c.dense_bytes} | compression: {c.compression_ratio:.1f}x |"
-               f" rel. error: {c.rel_error:.3f} | mean rank: {c.mean_rank:.2f} | codec (s): {c.codec_s:.3f} |"
-               if c is not None else "")
+               f" rel. error: {c.rel_error:.3f} |" + (f" mean rank: {c.mean_rank:.2f} |" if c.mean_rank else "")
+               + f" codec (s): {c.codec_s:.3f} |" if c is not None else "")
             + (" SKIPPED (non-finite) |" if r.skipped else ""))
         # The drain shares its iteration with the last round: its own tags, or W&B (one value
         # per tag and step) would keep only one of the two.
