@@ -4,7 +4,7 @@ Wraps the ``torch.distributed`` collectives and point-to-point calls (megatron-c
 them through the module, so every call is seen) and, for each call, asks whether its group
 or peer leaves this rank's cluster. Calls from the DiLoCoX worker thread are counted under
 ``"outer"``; calls from the training thread under the phase the training loop has set
-(``"startup"``, ``"step"``, ``"boundary"``, ``"eval"``). The point: outside ``"boundary"``
+(``"startup"``, ``"step"``, ``"boundary"``, ``"eval"``, ``"checkpoint"``). The point: outside ``"boundary"``
 and ``"outer"``, cross-cluster bytes must stay exactly zero.
 """
 
@@ -51,10 +51,24 @@ class CommAudit:
         self._originals = {}
 
     def cross_cluster_bytes(self, *phases: str) -> int:
-        """Cross-cluster bytes sent in the given phases (all phases but start-up if none)."""
+        """Cross-cluster bytes sent in the given phases; none given: those of training, every
+        phase but start-up and checkpoint saves (a save's own agreement, after its tallies were
+        taken, would otherwise make a resumed run's count differ from an uninterrupted one's)."""
         if not phases:
-            phases = {phase for phase, _ in self.bytes} - {"startup"}
+            phases = {phase for phase, _ in self.bytes} - {"startup", "checkpoint"}
         return sum(self.bytes[(phase, "cross")] for phase in phases)
+
+    def state_dict(self) -> list[list]:
+        """The tallies as ``[phase, "cross" | "intra", bytes]`` rows, for a checkpoint: a run
+        resumed from it counts on from them, as its consumed samples do."""
+        with self._lock:
+            return [[phase, kind, n] for (phase, kind), n in self.bytes.items()]
+
+    def load_state_dict(self, rows: list[list]) -> None:
+        """Adds a checkpoint's tallies (:meth:`state_dict`) to this run's."""
+        with self._lock:
+            for phase, kind, n in rows:
+                self.bytes[(phase, kind)] += int(n)
 
     def count_exchange(self, nbytes: int) -> None:
         """Counts bytes sent between cluster jobs by the outer exchange, which torch.distributed

@@ -17,6 +17,7 @@ import torch
 
 from launch import REPO, free_port, read_jsonl, torchrun, worker_env
 from megatron_dilocox.checkpoint import files
+from megatron_dilocox.payload import HANDSHAKE_BYTES
 
 ITERS = 8
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -103,6 +104,11 @@ def test_resume_is_bitwise_exact(runs, name):
     assert sorted(resumed_loss) == list(range(stop + 1, ITERS + 1))
     assert {**stopped_loss, **resumed_loss} == straight_loss  # float equality: bitwise
     assert resumed_val[-1] == straight_val[-1]
+    # The cross-cluster byte count goes on from the checkpoint's; the codec's handshake is sent
+    # again after a resume.
+    totals = [[r["cross_cluster_bytes"] for r in read_jsonl(runs / f"{name}_{part}.metrics.jsonl")
+               if r.get("cross_cluster_bytes") is not None][-1:] for part in ("straight", "resumed")]
+    assert totals[1] == [totals[0][0] + HANDSHAKE_BYTES] if name != "vanilla" else totals == [[], []], totals
     assert _info(runs, f"{name}_resumed")["start_iteration"] == stop
     straight, resumed = _params(runs, f"{name}_straight"), _params(runs, f"{name}_resumed")
     assert set(straight) == set(resumed) and len(straight) > 10

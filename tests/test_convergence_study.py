@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, worker_env
 
 sys.path.insert(0, str(REPO / "tools"))
 
 import convergence_study as cs  # noqa: E402
+from megatron_dilocox.payload import HANDSHAKE_BYTES  # noqa: E402
 
 PRETRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -193,6 +194,41 @@ def test_tiny_study_end_to_end_and_resume(tiny_dataset, tmp_path, capsys):
     done.write_text(json.dumps(summary))
     with pytest.raises(SystemExit, match="was run on other data"):
         cs.main(argv)
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(tiny_dataset, tmp_path, capsys):
+    """With --checkpoint-interval, a run stopped after its checkpoint at iteration 8 (and a record
+    written past it, as a run killed later leaves) resumes from there and ends as the same run
+    made in one go: the same validation curve bit for bit, the same byte count (plus the codec's
+    handshake, sent again after a resume), the checkpoint removed once it is done."""
+    def argv(out):
+        return ["--out", str(tmp_path / out), "--seeds", "1", "--checkpoint-interval", "4",
+                "--method", "DiLoCoX=--dilocox --dilocox-local-steps 3 --dilocox-local-steps-ramp-iters 0",
+                "--baseline", "DiLoCoX", "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)]
+
+    assert cs.main(argv("whole")) == 0
+    parser = cs.build_parser()
+    args = parser.parse_args(argv("resumed"))
+    study = cs.Study(args, cs.check_args(parser, args))
+    folder = study.folder("DiLoCoX", 1)
+    folder.mkdir(parents=True)
+    with open(folder / "log.txt", "w") as log:  # as the study would have made it
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                        f"--master-port={cs.launch_port()}", str(REPO / "pretrain_gpt.py"), *study.flags("DiLoCoX", 1),
+                        *study.checkpointing(folder, None), "--exit-interval", "8"],
+                       cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
+    with open(folder / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": 9, "lm_loss": 9.9, "tokens": 1, "train_s": 1.0}) + "\n")
+    capsys.readouterr()
+    assert cs.main(argv("resumed")) == 0
+    assert "(resumed from its checkpoint at iteration 8)" in capsys.readouterr().out
+    whole, resumed = (json.loads((tmp_path / out / "runs" / "DiLoCoX" / "seed1" / "done.json").read_text())
+                      for out in ("whole", "resumed"))
+    assert resumed["curve"][0]["val_loss"] == whole["curve"][0]["val_loss"]  # at 6, before the stop
+    assert resumed["val_loss"] == whole["val_loss"] and resumed["tokens"] == whole["tokens"]
+    assert resumed["cross_cluster_bytes"] == whole["cross_cluster_bytes"] + HANDSHAKE_BYTES
+    assert not (folder / "ckpt").exists() and (folder / "log.to-8.txt").is_file()
+    assert [r["iteration"] for r in cs._records(folder / "metrics.jsonl") if "lm_loss" in r] == [4, 8, 12]
 
 
 def test_metrics_reader_skips_an_unfinished_last_line_and_names_a_bad_one(tmp_path):

@@ -18,7 +18,11 @@ all runs are measured on one fixed held-out set; its standard error is reported.
 - **Order:** the first seed of every method, then the next seed of every method, and so on, so
   an interrupted study already holds one full comparison.
 - **Resume:** each finished run leaves ``done.json`` in its folder; a rerun with the same ``--out``
-  skips finished runs (a run whose command changed is an error) and restarts unfinished ones.
+  skips finished runs (a run whose command changed is an error) and restarts unfinished ones,
+  or, with ``--checkpoint-interval N``, resumes them from their last checkpoint (saved every N
+  iterations in the run's ``ckpt/``, removed once it finishes): the resume is exact, so the run
+  ends as it would have without the interruption, and its metrics file keeps the records up to
+  the checkpoint.
 - **Several processes, one study:** a process claims a run before making it (``claim.json`` in
   the run's folder, holding its host and pid) and skips runs other live processes hold, so two
   or more launches with the same ``--out`` share the study's runs (on more cores, or machines
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import sys
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="processes per run (torchrun --nproc-per-node)")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP_NUM_THREADS per process (default: CPU cores // --nproc, at least 1)")
+    p.add_argument("--checkpoint-interval", type=int, default=0, metavar="N",
+                   help="each run saves a checkpoint every N iterations, and a rerun resumes an interrupted "
+                        "run from it (0: it starts over)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     p.add_argument("--report", action="store_true",
                    help="write results.json, curves.png and the table from the runs finished so far; run nothing")
@@ -294,16 +302,44 @@ class Study:
         """The first pending run no other process holds, claimed; None when there is none."""
         return next((run for run in self.pending() if self.claim(*run)), None)
 
+    def resume_point(self, folder: Path) -> int | None:
+        """The iteration of an unfinished run's last checkpoint (None: start over). Its metrics
+        file is cut back to the records up to it, and its log kept aside as ``log.to-N.txt``."""
+        latest = folder / "ckpt" / "latest_checkpointed_iteration.txt"
+        if not (self.args.checkpoint_interval and latest.is_file()):
+            return None
+        iteration = int(latest.read_text())
+        kept = [r for r in _records(folder / "metrics.jsonl") if r.get("iteration", 0) <= iteration]
+        tmp = folder / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in [*kept, {"resumed_at": iteration}]))
+        os.replace(tmp, folder / "metrics.jsonl")
+        if (folder / "log.txt").is_file():
+            os.replace(folder / "log.txt", folder / f"log.to-{iteration}.txt")
+        return iteration
+
+    def checkpointing(self, folder: Path, resumed: int | None) -> list[str]:
+        """The flags that save the run's checkpoints (and resume it); they change none of its numbers."""
+        if not self.args.checkpoint_interval:
+            return []
+        ckpt = str(folder / "ckpt")
+        return ["--save", ckpt, "--save-interval", str(self.args.checkpoint_interval), "--most-recent-k", "1",
+                *(["--load", ckpt] if resumed is not None else [])]
+
     def run(self, method: str, seed: int, index: int) -> None:
         folder = self.folder(method, seed)
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "log.txt"):
-            (folder / stale).unlink(missing_ok=True)
+        resumed = self.resume_point(folder)
+        if resumed is None:
+            for stale in ("metrics.jsonl", "log.txt"):
+                (folder / stale).unlink(missing_ok=True)
+            shutil.rmtree(folder / "ckpt", ignore_errors=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.args.nproc}",
-               f"--master-port={launch_port()}", str(REPO / "pretrain_gpt.py"), *self.flags(method, seed)]
+               f"--master-port={launch_port()}", str(REPO / "pretrain_gpt.py"), *self.flags(method, seed),
+               *self.checkpointing(folder, resumed)]
         label = f"[{index}/{self.total()}] {method}, seed {seed}"
-        print(f"> {label}: torchrun --nproc-per-node {self.args.nproc} pretrain_gpt.py "
-              f"{' '.join(self.flags(method, seed))}", flush=True)
+        print(f"> {label}{'' if resumed is None else f' (resumed from its checkpoint at iteration {resumed})'}: "
+              f"torchrun --nproc-per-node {self.args.nproc} pretrain_gpt.py "
+              f"{' '.join(self.flags(method, seed) + self.checkpointing(folder, resumed))}", flush=True)
         start = time.monotonic()
         iters = self.cfg["facts"]["train_iters"]
 
@@ -315,7 +351,8 @@ class Study:
                 evals = [r["val_loss"] for r in records if "val_loss" in r]
                 print(f"  {label}: iteration {it}/{iters}, lm loss {train[-1]['lm_loss']:.4f}"
                       + (f", val {evals[-1]:.4f}" if evals else "")
-                      + f", {elapsed / 60:.1f} min, about {elapsed / it * (iters - it) / 60:.1f} min left", flush=True)
+                      + f", {elapsed / 60:.1f} min, about {elapsed / max(it - (resumed or 0), 1) * (iters - it) / 60:.1f}"
+                      " min left", flush=True)
 
         try:
             launch.run([cmd], logs=[folder / "log.txt"], poll=progress, poll_s=60.0,
@@ -328,6 +365,7 @@ class Study:
         tmp = folder / "done.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, folder / "done.json")
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)
         print(f"  {label}: final val loss {summary['val_loss']:.4f} (se {summary['val_loss_se']:.4f}), "
               f"{summary['run_s'] / 60:.1f} min", flush=True)
 
@@ -346,16 +384,20 @@ def _records(path: Path) -> list[dict]:
 
 
 def summarize_run(path: Path) -> dict:
-    """Final validation loss, its standard error, the curves and the cross-cluster bytes of a run."""
+    """Final validation loss, its standard error, the curves and the cross-cluster bytes of a run
+    (its byte count goes on across a resume; its training time is summed over the resumed parts)."""
     records = read_records(str(path))
     train = [r for r in records if "lm_loss" in r]
+    parts = [i for i, r in enumerate(records) if "resumed_at" in r] + [len(records)]
+    train_s = sum(next((r["train_s"] for r in reversed(records[a:b]) if "lm_loss" in r), 0.0)
+                  for a, b in zip([0, *parts[:-1]], parts))
     evals = [r for r in records if "val_loss" in r]
     rounds = [r for r in records if "outer_step" in r and r.get("bytes_sent")]
     tokens_per_iter = train[-1]["tokens"] / train[-1]["iteration"]
     bytes_at = {r["iteration"]: r.get("cross_cluster_bytes", 0) for r in train}
     return dict(
         val_loss=evals[-1]["val_loss"], val_loss_se=evals[-1]["val_loss_se"], val_batches=evals[-1]["val_batches"],
-        tokens=train[-1]["tokens"], train_s=train[-1]["train_s"],
+        tokens=train[-1]["tokens"], train_s=train_s,
         cross_cluster_bytes=final_cross_cluster_bytes(records) or 0,
         rounds=len(rounds),
         bytes_per_round=statistics.mean(r["bytes_sent"] for r in rounds) if rounds else None,

@@ -8,7 +8,8 @@ A checkpoint has two parts:
 * ``ranks/``: one file per rank with everything an exact resume needs: the inner optimizer's
   fp32 main params and Adam state, RNG states, the running loss window and the DiLoCoX state
   (outer params, round start, outer momentum, the reduced result of the in-flight round, the
-  compressor's warm starts and residuals, H). Used when the layout is unchanged.
+  compressor's warm starts and residuals, H) and the cross-cluster byte tallies. Used when the
+  layout is unchanged.
 
 Loading with another layout (or from a converted checkpoint, which has no ``ranks/``) restores
 the weights, the iteration and the learning-rate schedule; the inner optimizer and the outer
@@ -76,7 +77,9 @@ def coordinates(run: RunConfig, topo) -> dict:
 
 # The entries of the trainer's state dict that go into the per-rank file (the others, its
 # ``eval_round`` and ``scheduler``, into the manifest).
-RANK_STATE = ("main_params", "optimizers", "window_loss", "dilocox")
+RANK_STATE = ("main_params", "optimizers", "window_loss", "dilocox", "audit")
+ADDED_RANK_STATE = {"audit": None}
+"""Entries of :data:`RANK_STATE` that checkpoints written before them lack: restored as this value."""
 
 
 def _rng_state() -> dict:
@@ -346,7 +349,8 @@ class Resume:
         state = torch.load(path, weights_only=True)
         error = None
         try:
-            load_state_dict({key: state[key] for key in RANK_STATE})
+            load_state_dict({key: state[key] if key in state or key not in ADDED_RANK_STATE else ADDED_RANK_STATE[key]
+                             for key in RANK_STATE})
             _set_rng_state(state["rng"])
         except (ValueError, KeyError) as err:
             error = f"{path}: cannot restore: {err}"

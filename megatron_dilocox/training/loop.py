@@ -152,11 +152,13 @@ class Trainer:
     def state_dict(self) -> dict:
         """This rank's training state for a checkpoint, as references (serialize it before
         training on): the validation position, the LR schedule, the running loss window, the
-        inner optimizer's fp32 main params (the weights themselves) and states, and DiLoCoX's."""
+        inner optimizer's fp32 main params (the weights themselves) and states, DiLoCoX's, and the
+        cross-cluster byte tallies (after DiLoCoX's, which waits for the round in flight)."""
         return {"eval_round": self.eval_round, "scheduler": self.scheduler.state_dict(),
                 "window_loss": self.window_loss, "main_params": main_params(self.optimizer),
                 "optimizers": [opt.optimizer.state_dict() for opt in leaf_optimizers(self.optimizer)],
-                "dilocox": None if self.dilocox is None else self.dilocox.state_dict()}
+                "dilocox": None if self.dilocox is None else self.dilocox.state_dict(),
+                "audit": None if self.audit is None else self.audit.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the entries of :meth:`state_dict` that ``state`` has, plus ``iteration``
@@ -188,6 +190,8 @@ class Trainer:
         if self.dilocox is not None:
             self.dilocox.load_state_dict(state["dilocox"])
         self.window_loss.copy_(state["window_loss"])
+        if state["audit"] is not None and self.audit is not None:  # None: saved before it was kept
+            self.audit.load_state_dict(state["audit"])
 
     @contextlib.contextmanager
     def _global_weights(self, drained: bool = False):
