@@ -277,6 +277,13 @@ class CompressionConfig:
     With ``topk`` it ended at the loss of 1.0 (docs/convergence.md) while keeping the residual
     bounded (about 8x the pseudo-gradient instead of growing past 30x)."""
 
+    ef_decay_follows_lr: bool = False
+    """Scale what the decay drops each round, ``1 - ef_decay``, by the inner lr over its peak:
+    :attr:`ef_decay` at the peak lr, nearer 1 as the lr decays (:meth:`ef_decay_at`).
+
+    The decay keeps the replicas, which train on their own unsent progress, from drifting apart;
+    that drift grows with the lr, while the progress the decay drops costs most late in a run."""
+
     topk_density: float = 1 / 32
     """topk: fraction of each chunk's entries sent, in (0, 1] (default 1/32).
 
@@ -315,6 +322,12 @@ class CompressionConfig:
         if self.flush_residual is None:
             self.flush_residual = residual
 
+    def ef_decay_at(self, lr_scale: float) -> float:
+        """The residual's factor in a round whose inner lr is ``lr_scale`` times its peak."""
+        if not self.ef_decay_follows_lr:
+            return self.ef_decay
+        return 1.0 - (1.0 - self.ef_decay) * min(max(lr_scale, 0.0), 1.0)
+
     def flush_config(self) -> "CompressionConfig":
         """How :attr:`flush_residual` sends the residual: every entry, blockwise quantized."""
         return CompressionConfig(codec="quantize", bits=FLUSH_BITS, block=self.block)
@@ -339,6 +352,8 @@ class CompressionConfig:
             raise ValueError(f"--dilocox-topk-density must be in (0, 1], got {self.topk_density}")
         if self.topk_chunk < 2:
             raise ValueError(f"--dilocox-topk-chunk must be >= 2, got {self.topk_chunk}")
+        if self.ef_decay_follows_lr and not self.error_feedback:
+            raise ValueError("--dilocox-ef-decay-follows-lr needs --dilocox-error-feedback")
         for flag, given in (("--dilocox-keep-unsent", self.keep_unsent),
                             ("--dilocox-flush-residual", self.flush_residual)):
             if given and not (self.error_feedback and self.codec != "none"):

@@ -36,9 +36,9 @@ def _checked_rounds(trainer, info):
     sync = trainer.dilocox.sync
     info["rounds"] = []
 
-    def step(iteration):
+    def step(iteration, *args):
         before = hashlib.sha256(sync.base.numpy().tobytes()).hexdigest()
-        record = boundary(iteration)
+        record = boundary(iteration, *args)
         digest = hashlib.sha256(sync.base.numpy().tobytes()).hexdigest()
         everyone = [None] * trainer.topo.clusters
         dist.all_gather_object(everyone, digest, group=trainer.topo.outer_group)
@@ -59,11 +59,11 @@ def _measured_norms(trainer, info, tied):
     start = gather_full_params(trainer.model, tied)
     info["round_norms"] = []
 
-    def step(iteration):
+    def step(iteration, *args):
         nonlocal start
         now = gather_full_params(trainer.model, tied)
         info["round_norms"].append(sum(float((start[n] - now[n]).double().pow(2).sum()) for n in now) ** 0.5)
-        record = boundary(iteration)
+        record = boundary(iteration, *args)
         start = gather_full_params(trainer.model, tied)
         return record
 
@@ -75,11 +75,11 @@ def _inject_nan(trainer, at):
     iteration ``at["iteration"]``, on rank ``at["rank"]`` only."""
     boundary = trainer.dilocox.step
 
-    def step(iteration):
+    def step(iteration, *args):
         if iteration == at["iteration"] and dist.get_rank() == at["rank"]:
             with torch.no_grad():
                 trainer.dilocox.outer_params[0].view(-1)[0] = float("nan")
-        return boundary(iteration)
+        return boundary(iteration, *args)
 
     trainer.dilocox.step = step
 

@@ -525,6 +525,31 @@ def test_ef_decay_damps_the_residual():
     assert norms[1.0] > norms[0.5] > norms[0.0] == 0.0
 
 
+def test_ef_decay_follows_the_inner_lr():
+    """With --dilocox-ef-decay-follows-lr a round at lr_scale s damps the residual as a constant
+    decay of 1 - (1 - ef_decay) * s does, and ignores lr_scale otherwise."""
+    x = rand(NUMEL, seed=17)
+
+    def residual(scales, **config):
+        red = CompressedReducer(SHAPES, CompressionConfig(codec="topk", topk_chunk=512, **config))
+        for s in scales:
+            red([x], None, lr_scale=s)
+        return red.residual
+
+    follows = residual([1.0, 0.4, 0.1], ef_decay=0.8, ef_decay_follows_lr=True)
+    for steady, scales in ((0.8, [1.0] * 3), (0.92, [0.4] * 3), (0.98, [0.1] * 3)):
+        assert not torch.equal(follows, residual(scales, ef_decay=steady))
+    stepped = CompressedReducer(SHAPES, CompressionConfig(codec="topk", topk_chunk=512, ef_decay=0.8))
+    for decay in (0.8, 0.92, 0.98):  # the same rounds with the decay each lr_scale gives
+        stepped.config.ef_decay = decay
+        stepped([x], None)
+    assert torch.equal(follows, stepped.residual)
+    assert torch.equal(residual([1.0, 0.4, 0.1], ef_decay=0.8), residual([1.0] * 3, ef_decay=0.8))
+    assert CompressionConfig(codec="topk", ef_decay=0.9, ef_decay_follows_lr=True).ef_decay_at(0.5) == pytest.approx(0.95)
+    with pytest.raises(ValueError, match="--dilocox-ef-decay-follows-lr"):
+        CompressionConfig(codec="quantize", ef_decay_follows_lr=True).validate()
+
+
 # -- checkpointing -----------------------------------------------------------------------------
 
 

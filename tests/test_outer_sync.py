@@ -527,6 +527,26 @@ def test_worker_gets_a_private_delta():
     assert len(seen) == 3 and not owned & set(seen)
 
 
+@pytest.mark.parametrize("mode", ["sync", "delay"])
+def test_each_reduction_gets_the_lr_scale_of_its_launch(mode):
+    """A reduction runs while the next round trains, so its lr_scale is the one given at the
+    boundary that launched it; none is handed over when none is given."""
+    params = toy_init()
+    seen = []
+
+    def reducer(tensors, group, **round_args):
+        seen.append(round_args.get("lr_scale"))
+        return tensors
+
+    sync = OuterSync(params, None, config(mode, clusters=1), reducer=reducer)
+    for r, scale in enumerate([1.0, 0.5, None, 0.25]):
+        local_steps(params, toy_data(0), H)
+        sync.step(r, lr_scale=scale)
+    sync.finish()
+    sync.close()
+    assert seen == [1.0, 0.5, None, 0.25]
+
+
 def test_drained_base_previews_finish_without_changing_state():
     params = toy_init()
     sync = OuterSync(params, None, config("delay", clusters=1))

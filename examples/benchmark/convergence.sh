@@ -11,6 +11,7 @@
 #   STUDY=outer-lr bash examples/benchmark/convergence.sh        # outer lr 1.4 under the ramp, three seeds
 #   STUDY=outer-warmup SEEDS=1 bash examples/benchmark/convergence.sh  # the outer lr warmed up over the ramp
 #   STUDY=outer-warmup-2 bash examples/benchmark/convergence.sh  # outer lr 1.7 and 2.0 warmed up, three seeds
+#   STUDY=ef-lr SEEDS=1 bash examples/benchmark/convergence.sh   # the error-feedback decay following the inner lr
 #   STUDY=clusters CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-outer-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
@@ -18,6 +19,7 @@
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-ef-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-clusters CLUSTERS=4 SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x_c4 bash examples/benchmark/convergence.sh
 #   STUDY=batch GBS=64 SEEDS=1 OUT=runs/convergence/gbs64 bash examples/benchmark/convergence.sh
 # A study resumes where it stopped when run again with the same OUT (an unfinished run from its
@@ -34,7 +36,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -186,6 +188,12 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
+  ef-lr)  # seed 1: the error-feedback decay following the inner lr (DiLoCoX ends behind AllReduce
+    # while ahead at mid-run: the decay's dropped progress costs most where the lr is low)
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
+             --method "$NEW_NAME EF decay follows lr=$NEW --dilocox-ef-decay-follows-lr"
+             --method "$NEW_NAME EF decay 0.9 follows lr=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr") ;;
   outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
     # rounds on), seed 1; outer-warmup-2: outer lr 2.0 over three seeds (1.7's three are the defaults study's)
     RAMP="--dilocox-local-steps-ramp-iters 600"
@@ -220,6 +228,13 @@ case "$STUDY" in
              --method "${I2_NAME/outer lr 1.7/outer lr 3.1}=$I2 --dilocox-outer-lr 3.1"
              --method "${NEW_NAME/inner 4e-3/inner 1e-3}=$NEW --lr 1e-3 --min-lr 1e-4"
              --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 1e-3") ;;
+  size-ef-lr)  # the larger model (LAYERS=6 HIDDEN=256 OUT=runs/convergence/size4x): its best DiLoCoX
+    # setting so far (inner 2e-3, outer lr 2.4) with the error-feedback decay following the inner lr
+    I2_24="$NEW --lr 2e-3 --min-lr 2e-4 --dilocox-outer-lr 2.4"
+    I2_24_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
+    I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
+    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2_24_NAME=$I2_24"
+             --compare "$I2_24_NAME" --method "$I2_24_NAME EF decay follows lr=$I2_24 --dilocox-ef-decay-follows-lr") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
@@ -250,7 +265,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ramp, size, size-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

@@ -236,12 +236,14 @@ class OuterSync:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "dilocox-outer")
 
     @torch.no_grad()
-    def step(self, iteration: int, step_s: float | None = None) -> RoundStats:
+    def step(self, iteration: int, step_s: float | None = None, lr_scale: float | None = None) -> RoundStats:
         """Round boundary; call after every H inner steps, on every rank, in the same order.
 
         ``step_s`` (adaptive H): this round's time per inner step; the reduction launched now
         carries it to every cluster, with the comm time of the reduction before it
-        (:attr:`peak_timings`). Give it at every boundary or at none."""
+        (:attr:`peak_timings`). Give it at every boundary or at none. ``lr_scale``: the inner lr
+        over its peak, handed to the reducer of the reduction launched now
+        (``reducer(tensors, link, lr_scale=...)``); None: not handed."""
         self.outer_step += 1
         self._iteration = iteration
         mode = self.config.sync_mode
@@ -250,7 +252,7 @@ class OuterSync:
         sq = float(torch.dot(delta, delta))
 
         if mode == "sync":
-            self._submit(delta, step_s)
+            self._submit(delta, step_s, lr_scale)
         # sync: this round's; delay modes: the previous round's, unless land() applied it already.
         result, wait_s = self._wait()
         # The local check as all_finite's: a NaN or Inf makes the sum of squares one.
@@ -283,7 +285,7 @@ class OuterSync:
             self.round_start.copy_(self.base)
         self._write_params(self.round_start)
         if mode != "sync":
-            self._submit(delta, step_s)  # hands delta over to the worker; no more reads here
+            self._submit(delta, step_s, lr_scale)  # hands delta over to the worker; no more reads here
 
         return RoundStats(**asdict(applied), outer_step=self.outer_step, iteration=iteration,
                           pseudo_grad_norm=math.sqrt(sq), pseudo_grad_sq=sq, codec=self._codec)
@@ -460,19 +462,20 @@ class OuterSync:
         for p, v in zip(self.params, self.views(flat)):
             p.copy_(v)
 
-    def _submit(self, delta: torch.Tensor, step_s: float | None) -> None:
+    def _submit(self, delta: torch.Tensor, step_s: float | None, lr_scale: float | None) -> None:
         assert self._inflight is None, "a reduction is already in flight"
         self._launched = {"outer_step": self.outer_step, "iteration": self._iteration}
-        self._inflight = self._executor.submit(self._reduce, delta, step_s)
+        self._inflight = self._executor.submit(self._reduce, delta, step_s, lr_scale)
 
-    def _reduce(self, delta: torch.Tensor, step_s: float | None) -> _Reduced:
+    def _reduce(self, delta: torch.Tensor, step_s: float | None, lr_scale: float | None) -> _Reduced:
         # Runs in the worker thread; owns ``delta`` (a private tensor) and nothing else.
         if step_s is not None:
             self.group.timings = (self._last_comm_s, step_s)
         start_bytes, start = self.counter.bytes, time.perf_counter()
         if self.config.emulated_delay_s > 0:
             time.sleep(self.config.emulated_delay_s)  # a slow link, for benchmarks and tests
-        (g,) = self.reducer([delta], self.group)
+        round_args = {} if lr_scale is None else {"lr_scale": lr_scale}
+        (g,) = self.reducer([delta], self.group, **round_args)
         assert g.shape == delta.shape and g.dtype == torch.float32
         codec = getattr(self.reducer, "last_stats", None)  # read here: the next reduction replaces it
         joined, self._joining = self._joining, None

@@ -229,12 +229,15 @@ class DiLoCoX:
                           compression=self._codec_round(stats),
                           cross_cluster_bytes_between_boundaries=between, cross_cluster_bytes=total, **boundary)
 
-    def step(self, iteration: int) -> OuterRound:
-        """The round boundary after ``iteration``; returns the round's record."""
+    def step(self, iteration: int, lr_scale: float = 1.0) -> OuterRound:
+        """The round boundary after ``iteration``, where the inner lr is ``lr_scale`` times its
+        peak; returns the round's record."""
         compute_s = time.perf_counter() - self._round_start_time
         adaptive = self.config.max_local_steps is not None
+        follows_lr = self.compressor is not None and self.compressor.config.ef_decay_follows_lr
         try:
-            stats = self.sync.step(iteration, compute_s / self.local_steps if adaptive else None)
+            stats = self.sync.step(iteration, compute_s / self.local_steps if adaptive else None,
+                                   lr_scale if follows_lr else None)
         except ClusterLossError:
             self.next_boundary = iteration + self.local_steps  # as above
             raise

@@ -244,7 +244,8 @@ class Trainer:
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
-                self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration))
+                lr_scale = self.optimizer.param_groups[0]["lr"] / self.scheduler.max_lr
+                self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration, lr_scale))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
                 self._saving_on_loss(iteration, self.dilocox.land)

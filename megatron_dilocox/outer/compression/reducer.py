@@ -34,7 +34,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch
 
@@ -60,6 +60,25 @@ class _Matrix:
     m: int
     n: int
     max_rank: int
+
+
+class _LowRankNext(NamedTuple):
+    """What a low-rank round decides for the next one, applied once the round commits."""
+
+    ranks: list[int]
+    outside: list[float]  # per matrix: the energy beyond its new rank window (choose_rank)
+    q: list[torch.Tensor]  # the warm starts
+
+
+class _Attempt(NamedTuple):
+    """One try at a round's exchanges (:meth:`CompressedReducer._reduce`)."""
+
+    round: _Round
+    x: torch.Tensor  # what was encoded: the pseudo-gradient plus the residual under error feedback
+    ranks: list[int]  # the low-rank ranks used ([] without low-rank matrices)
+    mean: torch.Tensor  # the mean over the delivering clusters' payloads
+    own: torch.Tensor  # this rank's own payload, decoded
+    lowrank_next: _LowRankNext | None
 
 
 class CompressedReducer:
@@ -114,12 +133,13 @@ class CompressedReducer:
 
     # -- the reducer hook --------------------------------------------------------------------
 
-    def __call__(self, tensors: list[torch.Tensor], link) -> list[torch.Tensor]:
+    def __call__(self, tensors: list[torch.Tensor], link, lr_scale: float = 1.0) -> list[torch.Tensor]:
         """Mean over the outer ``link`` (or process group) of the one flat fp32 tensor in
         ``tensors`` (see the module doc): over the clusters that delivered this round's payload.
 
         ``link`` None (one cluster) runs the same compression with no communication. The
-        input is left alone.
+        input is left alone. ``lr_scale``: the round's inner lr over its peak, for
+        ``--dilocox-ef-decay-follows-lr``.
         """
         if len(tensors) != 1:
             raise ValueError(f"CompressedReducer reduces one flat buffer, got {len(tensors)} tensors")
@@ -130,16 +150,16 @@ class CompressedReducer:
                 f"got {delta.dtype} of shape {tuple(delta.shape)}"
             )
         with torch.no_grad():
-            return [self._reduce(delta, as_link(link))]
+            return [self._reduce(delta, as_link(link), self.config.ef_decay_at(lr_scale))]
 
-    def _reduce(self, delta: torch.Tensor, link: OuterLink) -> torch.Tensor:
+    def _reduce(self, delta: torch.Tensor, link: OuterLink, ef_decay: float) -> torch.Tensor:
         self.round += 1
         if self.config.error_feedback:
             if self.residual is None:
                 self.residual = torch.zeros_like(delta)
             self.residual = self.residual.to(delta.device)  # a no-op unless just loaded
 
-        def attempt():
+        def attempt() -> _Attempt:
             # One round's exchanges, run again after a failure (OuterLink.run_round): nothing of
             # this reducer's state changes in here. A cluster healed from a peer took its
             # counter and warm starts before this runs (join).
@@ -149,12 +169,13 @@ class CompressedReducer:
             with r.timed("encode"):
                 x = delta + self.residual if self.config.error_feedback else delta
             if self.matrices:
-                return (r, x, list(self.ranks), *self._lowrank_round(x, r))
-            return (r, x, [], *self._dense_round(x, r), None)
+                return _Attempt(r, x, list(self.ranks), *self._lowrank_round(x, r))
+            return _Attempt(r, x, [], *self._dense_round(x, r), None)
 
-        r, x, ranks_used, out, own, warm = link.run_round(attempt)
-        if warm is not None:
-            self.ranks, self._outside, self._q = warm
+        done = link.run_round(attempt)
+        r, x, ranks_used, own = done.round, done.x, done.ranks, done.own
+        if done.lowrank_next is not None:
+            self.ranks, self._outside, self._q = done.lowrank_next
 
         with r.timed("encode"):
             # What compression dropped this round (the next residual under error feedback).
@@ -168,10 +189,10 @@ class CompressedReducer:
                 elif not math.isfinite(err):
                     self.residual.zero_()  # a non-finite round is skipped by all; drop it here too
                 else:
-                    if self.config.ef_decay != 1.0:
-                        self.residual.mul_(self.config.ef_decay)
+                    if ef_decay != 1.0:
+                        self.residual.mul_(ef_decay)
                     dn = torch.linalg.vector_norm(delta).item()
-                    residual_ratio = self.config.ef_decay * err / dn if dn else 0.0
+                    residual_ratio = ef_decay * err / dn if dn else 0.0
         self.last_stats = dict(
             round=self.round, codec=self.config.codec, dense_bytes=4 * self.numel,
             payload_bytes=r.payload, sent_bytes=r.sent,
@@ -181,7 +202,7 @@ class CompressedReducer:
             encode_s=r.times["encode"], comm_s=r.times["comm"],
             decode_s=r.times["decode"], residual_ratio=residual_ratio,
         )
-        return out
+        return done.mean
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -207,9 +228,9 @@ class CompressedReducer:
         with r.timed("decode"):
             return r.div(total), mine
 
-    def _lowrank_round(self, x: torch.Tensor, r: _Round):
-        """(mean, own decoded, (ranks, outside, warm starts) for the next round): low-rank
-        matrices in two exchanges, the dense tensors with P."""
+    def _lowrank_round(self, x: torch.Tensor, r: _Round) -> tuple[torch.Tensor, torch.Tensor, _LowRankNext]:
+        """(mean, own decoded, the next round's ranks and warm starts): low-rank matrices in two
+        exchanges, the dense tensors with P."""
         out, own = torch.empty_like(x), torch.empty_like(x)
         mats = [x[a.offset: a.offset + a.m * a.n].view(a.m, a.n) for a in self.matrices]
         dense_numels = [n for _, n in self.dense]
@@ -246,7 +267,7 @@ class CompressedReducer:
                 plan, beyond = self._plan(i, q_mean[i])
                 plans.append(plan)
                 outside.append(beyond)
-        return out, own, ([rank for *_, rank in plans], outside, self._warm_starts(plans))
+        return out, own, _LowRankNext([rank for *_, rank in plans], outside, self._warm_starts(plans))
 
     def _plan(self, i: int, q_mean: torch.Tensor) -> tuple[tuple[int, torch.Tensor, list[int], int], float]:
         """Next round's rank of matrix i and the columns of this round's Q to start it from, as a
