@@ -190,10 +190,12 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
   ef-lr)  # seed 1: the error-feedback decay following the inner lr (DiLoCoX ends behind AllReduce
     # while ahead at mid-run: the decay's dropped progress costs most where the lr is low)
+    # (the run named "... EF decay follows lr" in docs/convergence/defaults2/runs ran on commit
+    # a04d0c8, where the scale followed the lr's warm-up too)
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
-             --method "$NEW_NAME EF decay follows lr=$NEW --dilocox-ef-decay-follows-lr"
-             --method "$NEW_NAME EF decay 0.9 follows lr=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr") ;;
+             --method "$NEW_NAME EF decay 0.9 follows lr decay=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr"
+             --method "$NEW_NAME EF decay follows lr decay=$NEW --dilocox-ef-decay-follows-lr") ;;
   outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
     # rounds on), seed 1; outer-warmup-2: outer lr 2.0 over three seeds (1.7's three are the defaults study's)
     RAMP="--dilocox-local-steps-ramp-iters 600"

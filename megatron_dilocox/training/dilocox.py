@@ -230,8 +230,8 @@ class DiLoCoX:
                           cross_cluster_bytes_between_boundaries=between, cross_cluster_bytes=total, **boundary)
 
     def step(self, iteration: int, lr_scale: float = 1.0) -> OuterRound:
-        """The round boundary after ``iteration``, where the inner lr is ``lr_scale`` times its
-        peak; returns the round's record."""
+        """The round boundary after ``iteration``, where the inner lr has decayed to ``lr_scale``
+        times its peak; returns the round's record."""
         compute_s = time.perf_counter() - self._round_start_time
         adaptive = self.config.max_local_steps is not None
         follows_lr = self.compressor is not None and self.compressor.config.ef_decay_follows_lr

@@ -244,7 +244,9 @@ class Trainer:
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
-                lr_scale = self.optimizer.param_groups[0]["lr"] / self.scheduler.max_lr
+                # How far the inner lr has decayed from its peak (1 during its warm-up).
+                warming_up = self.scheduler.num_steps <= self.scheduler.lr_warmup_steps
+                lr_scale = 1.0 if warming_up else self.optimizer.param_groups[0]["lr"] / self.scheduler.max_lr
                 self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration, lr_scale))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
