@@ -236,7 +236,7 @@ case "$STUDY" in
     I2_24_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
     I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2_24_NAME=$I2_24"
-             --compare "$I2_24_NAME" --method "$I2_24_NAME EF decay follows lr=$I2_24 --dilocox-ef-decay-follows-lr") ;;
+             --compare "$I2_24_NAME" --method "$I2_24_NAME EF decay follows lr decay=$I2_24 --dilocox-ef-decay-follows-lr") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
