@@ -12,10 +12,12 @@
 #   STUDY=outer-warmup SEEDS=1 bash examples/benchmark/convergence.sh  # the outer lr warmed up over the ramp
 #   STUDY=outer-warmup-2 bash examples/benchmark/convergence.sh  # outer lr 1.7 and 2.0 warmed up, three seeds
 #   STUDY=ef-lr SEEDS=1 bash examples/benchmark/convergence.sh   # the error-feedback decay following the inner lr
+#   STUDY=ef-lr-seeds SEEDS=2,3 bash examples/benchmark/convergence.sh  # its seeds 2 and 3
 #   STUDY=clusters CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-outer-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters-ef-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -36,7 +38,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -196,6 +198,10 @@ case "$STUDY" in
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "$NEW_NAME EF decay 0.9 follows lr decay=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr"
              --method "$NEW_NAME EF decay follows lr decay=$NEW --dilocox-ef-decay-follows-lr") ;;
+  ef-lr-seeds)  # seeds 2 and 3 of the decay 0.95 following the lr's decay (the defaults' three seeds beside it)
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
+             --method "$NEW_NAME EF decay follows lr decay=$NEW --dilocox-ef-decay-follows-lr") ;;
   outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
     # rounds on), seed 1; outer-warmup-2: outer lr 2.0 over three seeds (1.7's three are the defaults study's)
     RAMP="--dilocox-local-steps-ramp-iters 600"
@@ -260,6 +266,8 @@ case "$STUDY" in
              --method "${O31_NAME/warm-up 600/warm-up 300}=$O31 --dilocox-outer-lr-warmup-iters 300"
              --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0"
              --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
+  clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
+    METHODS=("${C4[@]}" --method "$O31_NAME EF decay follows lr decay=$O31 --dilocox-ef-decay-follows-lr") ;;
   clusters-ramp)  # C = 4, seed 1: the H ramp's length under outer lr 3.1; its one-step rounds are where
     # four clusters fall behind AllReduce (at C = 2 the ramp halved the gap)
     METHODS=("${C4[@]}" --method "${O31_NAME/H ramp 600/H ramp 300}=$O31 --dilocox-local-steps-ramp-iters 300"
@@ -267,7 +275,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
