@@ -76,7 +76,7 @@ def run(spec, out):
         for r in replicas:
             r.train_step(iteration - 1)
         if iteration == boundary:
-            ref.step(params, iteration)
+            ref.step(params, iteration, replicas[0].lr_scale())
             h = cfg.local_steps_at(iteration)
             boundary += h
             landing = iteration + cfg.landing if cfg.landing and cfg.landing < h else None

@@ -526,8 +526,9 @@ def test_ef_decay_damps_the_residual():
 
 
 def test_ef_decay_follows_the_inner_lr():
-    """With --dilocox-ef-decay-follows-lr a round at lr_scale s damps the residual as a constant
-    decay of 1 - (1 - ef_decay) * s does, and ignores lr_scale otherwise."""
+    """With --dilocox-ef-decay-follows-lr (the default with error feedback) a round at lr_scale s
+    damps the residual as a constant decay of 1 - (1 - ef_decay) * s does, and ignores lr_scale
+    with --no-dilocox-ef-decay-follows-lr."""
     x = rand(NUMEL, seed=17)
 
     def residual(scales, **config):
@@ -536,15 +537,17 @@ def test_ef_decay_follows_the_inner_lr():
             red([x], None, lr_scale=s)
         return red.residual
 
-    follows = residual([1.0, 0.4, 0.1], ef_decay=0.8, ef_decay_follows_lr=True)
+    follows = residual([1.0, 0.4, 0.1], ef_decay=0.8)  # on by default with error feedback
     for steady, scales in ((0.8, [1.0] * 3), (0.92, [0.4] * 3), (0.98, [0.1] * 3)):
-        assert not torch.equal(follows, residual(scales, ef_decay=steady))
+        assert not torch.equal(follows, residual(scales, ef_decay=steady, ef_decay_follows_lr=False))
     stepped = CompressedReducer(SHAPES, CompressionConfig(codec="topk", topk_chunk=512, ef_decay=0.8))
     for decay in (0.8, 0.92, 0.98):  # the same rounds with the decay each lr_scale gives
         stepped.config.ef_decay = decay
         stepped([x], None)
     assert torch.equal(follows, stepped.residual)
-    assert torch.equal(residual([1.0, 0.4, 0.1], ef_decay=0.8), residual([1.0] * 3, ef_decay=0.8))
+    constant = {"ef_decay": 0.8, "ef_decay_follows_lr": False}
+    assert torch.equal(residual([1.0, 0.4, 0.1], **constant), residual([1.0] * 3, **constant))
+    assert not CompressionConfig(codec="quantize").ef_decay_follows_lr  # no error feedback by default
     assert CompressionConfig(codec="topk", ef_decay=0.9, ef_decay_follows_lr=True).ef_decay_at(0.5) == pytest.approx(0.95)
     with pytest.raises(ValueError, match="--dilocox-ef-decay-follows-lr"):
         CompressionConfig(codec="quantize", ef_decay_follows_lr=True).validate()

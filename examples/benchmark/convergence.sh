@@ -18,6 +18,7 @@
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ef-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -69,9 +70,10 @@ SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 
          --dilocox-clusters "$CLUSTERS" --log-interval 50 --eval-interval "$EVAL")
 
 # Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10, and the settings
-# whose defaults moved on 2026-12-04 (no H ramp, outer lr 1 without warm-up) stay pinned, so
-# that every name keeps its meaning; a method sets what it changes after them.
-DLX="--dilocox --dilocox-local-steps 10 --dilocox-local-steps-ramp-iters 0 --dilocox-outer-lr 1.0 --dilocox-outer-lr-warmup-iters 0"
+# whose defaults moved on 2026-12-04 (no H ramp, outer lr 1 without warm-up) and 2026-12-06 (a
+# constant error-feedback decay) stay pinned, so that every name keeps its meaning; a method sets
+# what it changes after them.
+DLX="--dilocox --dilocox-local-steps 10 --dilocox-local-steps-ramp-iters 0 --dilocox-outer-lr 1.0 --dilocox-outer-lr-warmup-iters 0 --no-dilocox-ef-decay-follows-lr"
 SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
 SYNC_FP32="$DLX --dilocox-sync-mode sync --dilocox-compression none"  # blocking DiLoCo, uncompressed
 D64="$DLX --dilocox-topk-density 0.015625"  # the defaults before density 1/32 (the runs below named "DiLoCoX defaults")
@@ -79,6 +81,9 @@ D32="--lr 4e-3 --min-lr 4e-4 --dilocox-topk-density 0.03125"  # the defaults sin
 # The defaults since 2026-12-04, explicit: H ramped over 600 iterations, outer lr 1.7 warmed up over 600.
 NEW="$DLX $D32 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 1.7 --dilocox-outer-lr-warmup-iters 600"
 NEW_NAME="DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-up 600"
+# The defaults since 2026-12-06: the same, the error-feedback decay following the inner lr's decay.
+CUR="$NEW --dilocox-ef-decay-follows-lr"
+CUR_NAME="$NEW_NAME EF decay follows lr decay"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -92,7 +97,7 @@ AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
+DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$CUR_NAME=$CUR" "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 # C = 4: AllReduce and the defaults there (outer lr 3.1), against which the C = 4 levers compare.
@@ -100,6 +105,8 @@ O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
 O31="$NEW --dilocox-outer-lr 3.1"
 C4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
     --method "$O31_NAME=$O31" --compare "$O31_NAME")
+O31F_NAME="$O31_NAME EF decay follows lr decay"  # the defaults at C = 4 since 2026-12-06
+O31F="$O31 --dilocox-ef-decay-follows-lr"
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -197,11 +204,11 @@ case "$STUDY" in
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "$NEW_NAME EF decay 0.9 follows lr decay=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr"
-             --method "$NEW_NAME EF decay follows lr decay=$NEW --dilocox-ef-decay-follows-lr") ;;
+             --method "$CUR_NAME=$CUR") ;;
   ef-lr-seeds)  # seeds 2 and 3 of the decay 0.95 following the lr's decay (the defaults' three seeds beside it)
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
-             --method "$NEW_NAME EF decay follows lr decay=$NEW --dilocox-ef-decay-follows-lr") ;;
+             --method "$CUR_NAME=$CUR") ;;
   outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
     # rounds on), seed 1; outer-warmup-2: outer lr 2.0 over three seeds (1.7's three are the defaults study's)
     RAMP="--dilocox-local-steps-ramp-iters 600"
@@ -267,7 +274,13 @@ case "$STUDY" in
              --method "${O31_NAME/ warm-up 600/}=$O31 --dilocox-outer-lr-warmup-iters 0"
              --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
   clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
-    METHODS=("${C4[@]}" --method "$O31_NAME EF decay follows lr decay=$O31 --dilocox-ef-decay-follows-lr") ;;
+    METHODS=("${C4[@]}" --method "$O31F_NAME=$O31F") ;;
+  clusters-h)  # C = 4, seed 1, on the defaults there: shorter rounds (H 5 after the ramp), and
+    # the longer ramp (1000 was 0.7% below 600 with the constant decay)
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$O31F_NAME=$O31F" --compare "$O31F_NAME"
+             --method "${O31F_NAME/H ramp 600/H 5 ramp 600}=$O31F --dilocox-local-steps 5"
+             --method "${O31F_NAME/H ramp 600/H ramp 1000}=$O31F --dilocox-local-steps-ramp-iters 1000") ;;
   clusters-ramp)  # C = 4, seed 1: the H ramp's length under outer lr 3.1; its one-step rounds are where
     # four clusters fall behind AllReduce (at C = 2 the ramp halved the gap)
     METHODS=("${C4[@]}" --method "${O31_NAME/H ramp 600/H ramp 300}=$O31 --dilocox-local-steps-ramp-iters 300"
@@ -275,7 +288,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-h, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

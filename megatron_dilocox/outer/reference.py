@@ -55,20 +55,20 @@ class ReferenceDiLoCo:
         self.launched = 0  # the iteration that ended the round launched last
 
     @torch.no_grad()
-    def step(self, replicas, iteration=0):
-        """Round boundary after ``iteration`` inner steps: ``replicas[k]`` is cluster k's params
-        after H local steps (in place)."""
+    def step(self, replicas, iteration=0, lr_scale=1.0):
+        """Round boundary after ``iteration`` inner steps, where the inner lr is ``lr_scale`` times
+        its peak: ``replicas[k]`` is cluster k's params after H local steps (in place)."""
         deltas = [[s - p for s, p in zip(start, rep)] for start, rep in zip(self.starts, replicas)]
         if self.mode == "sync":
             self.launched = iteration
-            self._apply(self._mean(deltas))
+            self._apply(self._mean(deltas, lr_scale=lr_scale))
             self.starts = [self._anchor(k) for k in range(self.clusters)]
         else:
             if self.pending is not None:
                 self._apply(self.pending)
             # The restart points use the residuals of the round just applied, not this one's.
             anchors = [self._anchor(k) for k in range(self.clusters)]
-            self.pending, self.launched = self._mean(deltas), iteration
+            self.pending, self.launched = self._mean(deltas, lr_scale=lr_scale), iteration
             if self.mode == "delay":  # keep each replica's own, not yet averaged progress
                 self.starts = [[a - d for a, d in zip(ak, dk)] for ak, dk in zip(anchors, deltas)]
             elif self.mode == "eager":  # keep only its share of the coming average
@@ -111,12 +111,12 @@ class ReferenceDiLoCo:
         residual = self.compressors[k].residual.split([b.numel() for b in self.base])
         return [b - e.view_as(b) for b, e in zip(self.base, residual)]
 
-    def _mean(self, deltas, dense=False):
+    def _mean(self, deltas, dense=False, lr_scale=1.0):
         # Sum in cluster order, then divide. Bitwise equal to allreduce + div for C == 2; for
         # C > 2 a ring allreduce may add in another order (compare with a tolerance). ``dense``:
         # of the given deltas as they are, even with compressors (the flush's arrived residuals).
         if self.compressors and not dense:  # each replica's decoded payload, as every rank decodes them all
-            deltas = [comp([torch.cat([d.reshape(-1) for d in dk])], None)[0].split([b.numel() for b in self.base])
+            deltas = [comp([torch.cat([d.reshape(-1) for d in dk])], None, lr_scale)[0].split([b.numel() for b in self.base])
                       for comp, dk in zip(self.compressors, deltas)]
             deltas = [[d.view_as(b) for d, b in zip(dk, self.base)] for dk in deltas]
         out = []

@@ -116,6 +116,12 @@ class Trainer:
         self.scheduler.step(increment=1)
         return loss, grad_norm
 
+    def lr_scale(self) -> float:
+        """How far the inner lr has decayed from its peak: its lr over the peak, 1 during the warm-up."""
+        if self.scheduler.num_steps <= self.scheduler.lr_warmup_steps:
+            return 1.0
+        return self.optimizer.param_groups[0]["lr"] / self.scheduler.max_lr
+
     @torch.no_grad()
     def evaluate(self, iteration: int) -> float:
         self._phase("eval")
@@ -244,10 +250,7 @@ class Trainer:
             window_loss += loss
             if self.dilocox is not None and self.dilocox.is_boundary(iteration):
                 self._phase("boundary")
-                # How far the inner lr has decayed from its peak (1 during its warm-up).
-                warming_up = self.scheduler.num_steps <= self.scheduler.lr_warmup_steps
-                lr_scale = 1.0 if warming_up else self.optimizer.param_groups[0]["lr"] / self.scheduler.max_lr
-                self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration, lr_scale))
+                self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration, self.lr_scale()))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
                 self._phase("boundary")
                 self._saving_on_loss(iteration, self.dilocox.land)
