@@ -91,6 +91,10 @@ def test_run_order_best_baseline_and_resume(tmp_path):
     changed = _study(tmp_path, {**methods, "DLX": "--dilocox --dilocox-local-steps 5"}, ["AR lr1", "AR lr2"])
     with pytest.raises(SystemExit, match="was run with other flags"):
         changed.pending()
+    # Other flags that spell the same settings (a default pinned since) keep it.
+    pinned = _study(tmp_path, {**methods, "DLX": "--dilocox --no-dilocox-ef-decay-follows-lr "
+                                                 "--dilocox-ef-decay-follows-lr"}, ["AR lr1", "AR lr2"])
+    assert pinned.done("DLX", 1)["val_loss"] == 5.1 and pinned.pending() == study.pending()
     # So is one whose flags are the same but whose defaults have changed since it ran.
     path = study.folder("DLX", 1) / "done.json"
     summary = json.loads(path.read_text())

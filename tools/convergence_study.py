@@ -234,17 +234,20 @@ class Study:
         if not path.is_file():
             return None
         summary = json.loads(path.read_text())
-        if (summary["flags"], summary["nproc"]) != (self.flags(method, seed), self.args.nproc):
+        # Absent in runs recorded before settings were; a setting added since (a new flag, whose
+        # default keeps what the code did before) is not compared.
+        recorded = summary.get("settings") or {}
+        changed = sorted(k for k, v in self.settings(method, seed).items() if k in recorded and recorded[k] != v)
+        # Other flags that resolve to the recorded settings spell the same run (a default pinned
+        # since it moved, so that the method's name keeps its meaning).
+        other_flags = summary["flags"] != self.flags(method, seed) and (changed or not recorded)
+        if other_flags or summary["nproc"] != self.args.nproc:
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other flags; "
                              "use another --out or remove that folder")
         if "data" in summary and summary["data"] != self.cfg["data"]:  # absent in records made before it was
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run on other data (its done.json "
                              f"records {summary['data']}, {', '.join(self.cfg['data']) or 'no file'} differ now); "
                              "use another --out or the data it was run on")
-        # Absent in runs recorded before settings were; a setting added since (a new flag, whose
-        # default keeps what the code did before) is not compared.
-        recorded = summary.get("settings") or {}
-        changed = sorted(k for k, v in self.settings(method, seed).items() if k in recorded and recorded[k] != v)
         if changed:
             raise SystemExit(f"convergence_study.py: error: {path.parent} was run with other settings of "
                              f"{', '.join(changed)} (changed defaults?); use another --out or remove that folder")
