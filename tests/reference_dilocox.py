@@ -70,7 +70,7 @@ def run(spec, out):
         sent = comp.flush_config()
         flush = quantized_arrival([p.numel() for p in params[0]], sent.bits, sent.block)
     ref = ReferenceDiLoCo(params[0], clusters, cfg.sync_mode, cfg.peak_outer_lr, cfg.outer_momentum, cfg.use_nesterov,
-                          compressors, comp.keep_unsent, flush, cfg.outer_lr_at)
+                          compressors, comp.keep_unsent, flush, cfg.outer_lr_at, cfg.averages_at_end)
     boundary, landing = cfg.local_steps_at(0), None
     for iteration in range(1, args.training.train_iters + 1):
         for r in replicas:

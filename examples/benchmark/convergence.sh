@@ -18,6 +18,9 @@
 #   STUDY=clusters-seeds CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-levers CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ef-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=final-average SEEDS=1 bash examples/benchmark/convergence.sh  # the end's rounds as the replicas' average
+#   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -39,7 +42,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -71,9 +74,9 @@ SETTING=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads 4 
 
 # Each method: "NAME=FLAGS" (added to SETTING). DiLoCoX methods run H=10, and the settings
 # whose defaults moved on 2026-12-04 (no H ramp, outer lr 1 without warm-up) and 2026-12-06 (a
-# constant error-feedback decay) stay pinned, so that every name keeps its meaning; a method sets
-# what it changes after them.
-DLX="--dilocox --dilocox-local-steps 10 --dilocox-local-steps-ramp-iters 0 --dilocox-outer-lr 1.0 --dilocox-outer-lr-warmup-iters 0 --no-dilocox-ef-decay-follows-lr"
+# constant error-feedback decay, the end's rounds applied with the outer step) stay pinned, so
+# that every name keeps its meaning; a method sets what it changes after them.
+DLX="--dilocox --dilocox-local-steps 10 --dilocox-local-steps-ramp-iters 0 --dilocox-outer-lr 1.0 --dilocox-outer-lr-warmup-iters 0 --no-dilocox-ef-decay-follows-lr --no-dilocox-final-average"
 SGD1="--dilocox-outer-lr 1.0 --dilocox-outer-momentum 0 --dilocox-no-nesterov"
 SYNC_FP32="$DLX --dilocox-sync-mode sync --dilocox-compression none"  # blocking DiLoCo, uncompressed
 D64="$DLX --dilocox-topk-density 0.015625"  # the defaults before density 1/32 (the runs below named "DiLoCoX defaults")
@@ -81,9 +84,11 @@ D32="--lr 4e-3 --min-lr 4e-4 --dilocox-topk-density 0.03125"  # the defaults sin
 # The defaults since 2026-12-04, explicit: H ramped over 600 iterations, outer lr 1.7 warmed up over 600.
 NEW="$DLX $D32 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 1.7 --dilocox-outer-lr-warmup-iters 600"
 NEW_NAME="DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-up 600"
-# The defaults since 2026-12-06: the same, the error-feedback decay following the inner lr's decay.
+# The same, the error-feedback decay following the inner lr's decay; and the defaults since
+# 2026-12-06: that, and the end's rounds applied as the replicas' average (FINAL).
 CUR="$NEW --dilocox-ef-decay-follows-lr"
 CUR_NAME="$NEW_NAME EF decay follows lr decay"
+FINAL="--dilocox-final-average"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -97,7 +102,8 @@ AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$CUR_NAME=$CUR" "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
+DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$CUR_NAME final average=$CUR $FINAL"
+          "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 # C = 4: AllReduce and the defaults there (outer lr 3.1), against which the C = 4 levers compare.
@@ -205,6 +211,9 @@ case "$STUDY" in
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "$NEW_NAME EF decay 0.9 follows lr decay=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr"
              --method "$CUR_NAME=$CUR") ;;
+  final-average)  # the end's in-flight round and flushed residual applied as they are (outer lr 1)
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$CUR_NAME=$CUR" --compare "$CUR_NAME" --method "$CUR_NAME final average=$CUR $FINAL") ;;
   ef-lr-seeds)  # seeds 2 and 3 of the decay 0.95 following the lr's decay (the defaults' three seeds beside it)
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
@@ -250,6 +259,12 @@ case "$STUDY" in
     I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2_24_NAME=$I2_24"
              --compare "$I2_24_NAME" --method "$I2_24_NAME EF decay follows lr decay=$I2_24 --dilocox-ef-decay-follows-lr") ;;
+  size-final-average)  # the larger model: the end's rounds applied as the replicas' average
+    I2F_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
+    I2F_NAME="${I2F_NAME/outer lr 1.7/outer lr 2.4} EF decay follows lr decay"
+    I2F="$CUR --lr 2e-3 --min-lr 2e-4 --dilocox-outer-lr 2.4"
+    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME=$I2F"
+             --compare "$I2F_NAME" --method "$I2F_NAME final average=$I2F $FINAL") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
@@ -275,6 +290,9 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
   clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
     METHODS=("${C4[@]}" --method "$O31F_NAME=$O31F") ;;
+  clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$O31F_NAME final average=$O31F $FINAL") ;;
   clusters-h)  # C = 4, seed 1, on the defaults there: shorter rounds (H 5 after the ramp), and
     # the longer ramp (1000 was 0.7% below 600 with the constant decay)
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
@@ -288,7 +306,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-h, clusters-ramp, size, size-lr, size-ef-lr, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-ramp, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.

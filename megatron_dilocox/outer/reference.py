@@ -40,7 +40,7 @@ class ReferenceDiLoCo:
     """
 
     def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False,
-                 flush=None, lr_at=None):
+                 flush=None, lr_at=None, final_average=True):
         assert mode in ("sync", "delay", "eager", "delay-naive")
         assert not (keep_unsent or flush) or compressors, "keep_unsent and flush need compressors"
         self.mode, self.clusters = mode, clusters
@@ -52,6 +52,7 @@ class ReferenceDiLoCo:
         )
         self.pending = None  # average launched at the previous boundary (delay modes)
         self.lr_at = lr_at or (lambda iteration: lr)
+        self.final_average = final_average
         self.launched = 0  # the iteration that ended the round launched last
 
     @torch.no_grad()
@@ -92,13 +93,14 @@ class ReferenceDiLoCo:
     @torch.no_grad()
     def finish(self, replicas):
         """End of training: apply the last in-flight average (with ``flush``, then the mean
-        residual); every replica becomes ``base``."""
+        residual), as they are with ``final_average``; every replica becomes ``base``."""
         if self.pending is not None:
-            self._apply(self.pending)
+            self._apply(self.pending, self.final_average)
             self.pending = None
         if self.flush is not None:
             owed = [self.flush(c.residual).split([b.numel() for b in self.base]) for c in self.compressors]
-            self._apply(self._mean([[e.view_as(b) for e, b in zip(ek, self.base)] for ek in owed], dense=True))
+            mean = self._mean([[e.view_as(b) for e, b in zip(ek, self.base)] for ek in owed], dense=True)
+            self._apply(mean, self.final_average)
             for c in self.compressors:
                 c.residual.zero_()
         self.starts = [self._copy(self.base) for _ in range(self.clusters)]
@@ -127,8 +129,13 @@ class ReferenceDiLoCo:
             out.append(total / self.clusters)
         return out
 
-    def _apply(self, g):
-        """One outer step with the lr of the round launched last (the one ``g`` comes from)."""
+    def _apply(self, g, plain=False):
+        """One outer step with the lr of the round launched last (the one ``g`` comes from), or
+        with ``plain`` ``g`` subtracted as it is."""
+        if plain:
+            for b, gi in zip(self.base, g):
+                b.sub_(gi)
+            return
         for b, gi in zip(self.base, g):
             b.grad = gi.clone()
         self.opt.param_groups[0]["lr"] = self.lr_at(self.launched)

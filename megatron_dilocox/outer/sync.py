@@ -322,21 +322,23 @@ class OuterSync:
 
         Call at the end of training, after the last :meth:`step` (or :meth:`land`), so the final
         model is the outer one with every round's averaged work (with ``flush``, then the mean
-        residual too, one more outer step). Returns the stats of what it sent and applied, or
-        None when nothing was (``sync`` without ``flush``, or a round that already landed).
+        residual too). Both are applied as they are with ``averages_at_end`` (the config's
+        ``final_average``), else as outer steps. Returns the stats of what it sent and applied,
+        or None when nothing was (``sync`` without ``flush``, or a round that already landed).
         """
         result, wait_s = self._wait()
         skipped = False
         nbytes, comm_s = (result.nbytes, result.comm_s) if result is not None else (0, 0.0)
+        plain = self.config.averages_at_end
         if result is not None:
             (finite,) = self.agree([all_finite(result.grad)])
-            skipped = not self._apply(result.grad, finite)
+            skipped = not self._apply(result.grad, finite, plain)
         owed = self.flush() if self.flush is not None else None
         if owed is not None:
             sent, start = self.counter.bytes, time.perf_counter()
             (mean,) = self.flush_reducer([owed], self.group)  # the default reduces in place
             (finite,) = self.agree([all_finite(mean)])
-            skipped = not self._apply(mean, finite) or skipped
+            skipped = not self._apply(mean, finite, plain) or skipped
             owed.zero_()  # sent: a checkpoint saved after this must not send it again
             nbytes, comm_s = nbytes + self.counter.bytes - sent, comm_s + time.perf_counter() - start
         if self.config.sync_mode != "sync" or self.unsent is not None or owed is not None:
@@ -405,6 +407,8 @@ class OuterSync:
         (finite,) = self.agree([all_finite(result.grad)])
         if not finite:
             return self.base
+        if self.config.averages_at_end:
+            return self.base - result.grad
         base = self.base.clone()
         preview = OuterNesterov([base], self._outer_lr(), self.config.outer_momentum, self.config.use_nesterov)
         preview.load_state_dict(self.optimizer.state_dict())  # copies the momentum buffers
@@ -514,8 +518,9 @@ class OuterSync:
         self.joined_at = self._launched["iteration"]
         self._stale = True
 
-    def _apply(self, g: torch.Tensor, finite: bool) -> bool:
-        """Applies ``g`` if ``finite`` (the agreed answer for the whole model); returns that."""
+    def _apply(self, g: torch.Tensor, finite: bool, plain: bool = False) -> bool:
+        """Applies ``g`` if ``finite`` (the agreed answer for the whole model) with the outer
+        step, or with ``plain`` as it is (``base - g``: the replicas' mean); returns ``finite``."""
         if not finite:
             warnings.warn(
                 f"DiLoCoX outer step {self.outer_step}: reduced pseudo-gradient is non-finite "
@@ -523,8 +528,11 @@ class OuterSync:
                 RuntimeWarning,
             )
             return False
-        self.optimizer.lr = self._outer_lr()
-        self.optimizer.step([g])
+        if plain:
+            self.base.sub_(g)
+        else:
+            self.optimizer.lr = self._outer_lr()
+            self.optimizer.step([g])
         return True
 
     def _outer_lr(self) -> float:
