@@ -75,7 +75,7 @@ def run(spec, out):
     for iteration in range(1, args.training.train_iters + 1):
         for r in replicas:
             r.train_step(iteration - 1)
-        if iteration == boundary:
+        if iteration in (boundary, args.training.train_iters):  # the last iteration ends a round too
             ref.step(params, iteration, replicas[0].lr_scale())
             h = cfg.local_steps_at(iteration)
             boundary += h

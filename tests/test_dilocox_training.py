@@ -113,9 +113,11 @@ def test_landing_mid_round_matches_reference(runs):
 def test_local_steps_ramp_and_outer_lr_warmup_match_reference(runs):
     _assert_matches_reference(runs, "pp2_ramp", "ramp", "ramp_outer_lr_at_once")
     rounds = [r for r in read_jsonl(runs / "pp2_ramp.metrics.jsonl") if "outer_step" in r]
-    assert [(r["iteration"], r.get("local_steps")) for r in rounds] == [(1, 1), (2, 2), (4, 3), (7, 3)]
+    # The last iteration ends a short round of its own: the replicas' last two steps are sent.
+    assert [(r["iteration"], r.get("local_steps")) for r in rounds if not r["drain"]] == \
+        [(1, 1), (2, 2), (4, 3), (7, 3), (9, 3)]
     infos = [json.loads((runs / f"pp2_ramp.info.{rank}.json").read_text()) for rank in range(4)]
-    assert all(info["hash_checks"] == 4 for info in infos)
+    assert all(info["hash_checks"] == 5 for info in infos)
 
 
 def test_eager_at_boundary_matches_reference(runs):
@@ -245,8 +247,8 @@ def test_adaptive_local_steps(runs):
         assert measured["slowest_exchange_s"] >= 3 and measured["slowest_step_s"] > 0
         wanted = math.ceil(1.2 * measured["slowest_exchange_s"] / measured["slowest_step_s"])
         assert measured["local_steps"] == min(max(wanted, 2), 6)
-        if following is not None:
-            assert following["iteration"] == measured["iteration"] + measured["local_steps"]
+        if following is not None:  # the last iteration (18) ends a round too
+            assert following["iteration"] == min(measured["iteration"] + measured["local_steps"], 18)
     infos = [json.loads((runs / f"adaptive_h.info.{rank}.json").read_text()) for rank in range(4)]
     assert all(info["hash_checks"] == len(rounds) for info in infos)
 

@@ -248,7 +248,9 @@ class Trainer:
             self._phase("step")
             loss, grad_norm = self.train_step(iteration - 1)
             window_loss += loss
-            if self.dilocox is not None and self.dilocox.is_boundary(iteration):
+            # The last iteration ends a round too: what the replicas trained since the last
+            # boundary is sent, not dropped by finish().
+            if self.dilocox is not None and (self.dilocox.is_boundary(iteration) or iteration == training.train_iters):
                 self._phase("boundary")
                 self.logger.outer_round(self._saving_on_loss(iteration, self.dilocox.step, iteration, self.lr_scale()))
             elif self.dilocox is not None and self.dilocox.is_landing(iteration):
