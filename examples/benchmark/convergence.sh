@@ -21,6 +21,7 @@
 #   STUDY=final-average SEEDS=1 bash examples/benchmark/convergence.sh  # the end's rounds as the replicas' average
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -290,6 +291,10 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H ramp 600 outer lr 3.1 warm-up 600=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 --dilocox-local-steps-ramp-iters 600 --dilocox-outer-lr 3.1 --dilocox-outer-lr-warmup-iters 600") ;;
   clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
     METHODS=("${C4[@]}" --method "$O31F_NAME=$O31F") ;;
+  clusters-h-final)  # C = 4, seed 1: H 5 with the end's rounds as the replicas' average
+    H5F_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600} final average"
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$H5F_NAME=$O31F $FINAL --dilocox-local-steps 5" --compare "$H5F_NAME") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$O31F_NAME final average=$O31F $FINAL") ;;
@@ -306,7 +311,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-ramp, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
