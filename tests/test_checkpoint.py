@@ -118,9 +118,10 @@ def test_resume_is_bitwise_exact(runs, name):
 
 def test_dilocox_rounds_go_on_after_a_weights_only_resume(runs):
     # The fresh outer state's first round ends H = 2 steps after the loaded iteration 5 (it ended
-    # at H counted from 0, before 5, and no round ever came: a silent switch to local training).
+    # at H counted from 0, before 5, and no round ever came: a silent switch to local training);
+    # the last iteration ends a short round of its own.
     rounds = [r for r in read_jsonl(runs / "delay_from5_pp1.metrics.jsonl") if "outer_step" in r]
-    assert [(r["outer_step"], r["iteration"]) for r in rounds if not r["drain"]] == [(1, 7)]
+    assert [(r["outer_step"], r["iteration"]) for r in rounds if not r["drain"]] == [(1, 7), (2, ITERS)]
     assert rounds[-1]["drain"] and rounds[-1]["bytes_sent"] > 0  # its average, in flight at the end, applied then
     assert _info(runs, "delay_from5_pp1")["start_iteration"] == 5
 
