@@ -115,6 +115,14 @@ C4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce l
     --method "$O31_NAME=$O31" --compare "$O31_NAME")
 O31F_NAME="$O31_NAME EF decay follows lr decay"  # the defaults at C = 4 since 2026-12-06
 O31F="$O31 --dilocox-ef-decay-follows-lr"
+O31F_H5_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600}"
+# The larger model (LAYERS=6 HIDDEN=256): its best DiLoCoX setting (inner 2e-3, outer lr 2.4), and
+# that with the error-feedback decay following the inner lr.
+I2_24="$NEW --lr 2e-3 --min-lr 2e-4 --dilocox-outer-lr 2.4"
+I2_24_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
+I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
+I2F="$I2_24 --dilocox-ef-decay-follows-lr"
+I2F_NAME="$I2_24_NAME EF decay follows lr decay"
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -260,15 +268,9 @@ case "$STUDY" in
              --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 1e-3") ;;
   size-ef-lr)  # the larger model (LAYERS=6 HIDDEN=256 OUT=runs/convergence/size4x): its best DiLoCoX
     # setting so far (inner 2e-3, outer lr 2.4) with the error-feedback decay following the inner lr
-    I2_24="$NEW --lr 2e-3 --min-lr 2e-4 --dilocox-outer-lr 2.4"
-    I2_24_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
-    I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2_24_NAME=$I2_24"
-             --compare "$I2_24_NAME" --method "$I2_24_NAME EF decay follows lr decay=$I2_24 --dilocox-ef-decay-follows-lr") ;;
+             --compare "$I2_24_NAME" --method "$I2F_NAME=$I2F") ;;
   size-final-average)  # the larger model: the end's rounds applied as the replicas' average
-    I2F_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
-    I2F_NAME="${I2F_NAME/outer lr 1.7/outer lr 2.4} EF decay follows lr decay"
-    I2F="$CUR --lr 2e-3 --min-lr 2e-4 --dilocox-outer-lr 2.4"
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME=$I2F"
              --compare "$I2F_NAME" --method "$I2F_NAME final average=$I2F $FINAL") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
@@ -297,9 +299,9 @@ case "$STUDY" in
   clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
     METHODS=("${C4[@]}" --method "$O31F_NAME=$O31F") ;;
   clusters-h-final)  # C = 4, seed 1: H 5 with the end's rounds as the replicas' average
-    H5F_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600} final average"
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$H5F_NAME=$O31F $FINAL --dilocox-local-steps 5" --compare "$H5F_NAME") ;;
+             --method "$O31F_H5_NAME final average=$O31F $FINAL --dilocox-local-steps 5"
+             --compare "$O31F_H5_NAME final average") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$O31F_NAME final average=$O31F $FINAL") ;;
@@ -307,7 +309,7 @@ case "$STUDY" in
     # the longer ramp (1000 was 0.7% below 600 with the constant decay)
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME"
-             --method "${O31F_NAME/H ramp 600/H 5 ramp 600}=$O31F --dilocox-local-steps 5"
+             --method "$O31F_H5_NAME=$O31F --dilocox-local-steps 5"
              --method "${O31F_NAME/H ramp 600/H ramp 1000}=$O31F --dilocox-local-steps-ramp-iters 1000") ;;
   clusters-ramp)  # C = 4, seed 1: the H ramp's length under outer lr 3.1; its one-step rounds are where
     # four clusters fall behind AllReduce (at C = 2 the ramp halved the gap)
