@@ -24,6 +24,8 @@
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
+#   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000
+#   STUDY=ramp-final bash examples/benchmark/convergence.sh  # the same at C = 2
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -44,7 +46,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5|ramp-final) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -302,6 +304,12 @@ case "$STUDY" in
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$O31F_H5_NAME final average=$O31F $FINAL --dilocox-local-steps 5"
              --compare "$O31F_H5_NAME final average") ;;
+  ramp-final)  # the defaults (at C = 2 or 4: outer lr 1.7 or 3.1) and the same with the H ramp over 1000
+    if [ "$CLUSTERS" = 4 ]; then DF="$O31F $FINAL" DF_NAME="$O31F_NAME final average"
+    else DF="$CUR $FINAL" DF_NAME="$CUR_NAME final average"; fi
+    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+             --method "$DF_NAME=$DF" --compare "$DF_NAME"
+             --method "${DF_NAME/H ramp 600/H ramp 1000}=$DF --dilocox-local-steps-ramp-iters 1000") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$O31F_NAME final average=$O31F $FINAL") ;;
@@ -318,7 +326,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
