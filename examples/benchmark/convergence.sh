@@ -22,6 +22,7 @@
 #   STUDY=h5 SEEDS=1 bash examples/benchmark/convergence.sh  # H 5 at C = 2
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-defaults SEEDS=2,3,1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000
@@ -275,6 +276,9 @@ case "$STUDY" in
   size-final-average)  # the larger model: the end's rounds applied as the replicas' average
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME=$I2F"
              --compare "$I2F_NAME" --method "$I2F_NAME final average=$I2F $FINAL") ;;
+  size-defaults)  # the larger model: AllReduce and the defaults there (with the final average), over seeds
+    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME final average=$I2F $FINAL"
+             --compare "$I2F_NAME final average") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
@@ -326,7 +330,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-lr, size-ef-lr, size-final-average, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
