@@ -22,11 +22,11 @@
 #   STUDY=h5 SEEDS=1 bash examples/benchmark/convergence.sh  # H 5 at C = 2
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
-#   STUDY=size-defaults SEEDS=2,3,1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-defaults SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000
-#   STUDY=ramp-final bash examples/benchmark/convergence.sh  # the same at C = 2
+#   STUDY=ramp-final OUT=runs/convergence/defaults2 bash examples/benchmark/convergence.sh  # the same at C = 2
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-lr SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -47,7 +47,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5|ramp-final) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -309,8 +309,11 @@ case "$STUDY" in
              --method "$O31F_H5_NAME final average=$O31F $FINAL --dilocox-local-steps 5"
              --compare "$O31F_H5_NAME final average") ;;
   ramp-final)  # the defaults (at C = 2 or 4: outer lr 1.7 or 3.1) and the same with the H ramp over 1000
-    if [ "$CLUSTERS" = 4 ]; then DF="$O31F $FINAL" DF_NAME="$O31F_NAME final average"
-    else DF="$CUR $FINAL" DF_NAME="$CUR_NAME final average"; fi
+    case "$CLUSTERS" in
+      2) DF="$CUR $FINAL" DF_NAME="$CUR_NAME final average" ;;
+      4) DF="$O31F $FINAL" DF_NAME="$O31F_NAME final average" ;;
+      *) echo "STUDY=ramp-final needs CLUSTERS 2 or 4, got $CLUSTERS" >&2; exit 2 ;;
+    esac
     METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
              --method "$DF_NAME=$DF" --compare "$DF_NAME"
              --method "${DF_NAME/H ramp 600/H ramp 1000}=$DF --dilocox-local-steps-ramp-iters 1000") ;;
