@@ -49,9 +49,10 @@ class DiLoCoXConfig:
     The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
     ``min(H, 1 + H * i // N)``, so the first rounds, where the replicas would drift apart most
     while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
-    AllReduce halved and the seed spread went). The ramp adds about
-    ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, H = 10), each on a slow link
-    costing a round's fixed overhead on top of its step (docs/benchmarks.md). None:
+    AllReduce halved and the seed spread went; on 1,400-iteration runs 1000 ended lower still in
+    every seed at 2 and 4 clusters). The ramp adds about
+    ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, 193 at N = 1000, H = 10), each on
+    a slow link costing a round's fixed overhead on top of its step (docs/benchmarks.md). None:
     :attr:`ramp_iters`."""
 
     min_local_steps: int | None = None
