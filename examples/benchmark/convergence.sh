@@ -94,6 +94,7 @@ NEW_NAME="DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-
 CUR="$NEW --dilocox-ef-decay-follows-lr"
 CUR_NAME="$NEW_NAME EF decay follows lr decay"
 FINAL="--dilocox-final-average"
+DEF2="$CUR $FINAL" DEF2_NAME="$CUR_NAME final average"  # the defaults at C = 2 since 2026-12-06
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -101,23 +102,25 @@ AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 -
            --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 8e-3"
            --baseline "AllReduce lr 1e-3")
 AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
+AR4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3")  # AllReduce at its best lr, the baseline
 # The acceptance comparison on the pinned corpus: each method at its best inner lr of seed 1 (DiLoCoX:
 # 4e-3 of 4e-3, 5.6e-3, 8e-3 at density 1/32, 8e-3 level with it; blocking DiLoCo: 4e-3 of 2.8e-3,
 # 4e-3, 5.6e-3; AllReduce: 4e-3 of 1e-3, 2e-3, 4e-3, 8e-3). AllReduce's other lrs run last of the
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$CUR_NAME final average=$CUR $FINAL"
+DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$DEF2_NAME=$DEF2"
           "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 # C = 4: AllReduce and the defaults there (outer lr 3.1), against which the C = 4 levers compare.
 O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
 O31="$NEW --dilocox-outer-lr 3.1"
-C4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+C4=("${AR4[@]}"
     --method "$O31_NAME=$O31" --compare "$O31_NAME")
 O31F_NAME="$O31_NAME EF decay follows lr decay"  # the defaults at C = 4 since 2026-12-06
 O31F="$O31 --dilocox-ef-decay-follows-lr"
+DEF4="$O31F $FINAL" DEF4_NAME="$O31F_NAME final average"  # the same at C = 4
 O31F_H5_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600}"
 # The larger model (LAYERS=6 HIDDEN=256): its best DiLoCoX setting (inner 2e-3, outer lr 2.4), and
 # that with the error-feedback decay following the inner lr.
@@ -126,6 +129,7 @@ I2_24_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
 I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
 I2F="$I2_24 --dilocox-ef-decay-follows-lr"
 I2F_NAME="$I2_24_NAME EF decay follows lr decay"
+DEFX="$I2F $FINAL" DEFX_NAME="$I2F_NAME final average"  # the same on the larger model
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -185,21 +189,21 @@ case "$STUDY" in
              --method "sync fp32 inner 4e-3 H5=$SYNC4 --dilocox-local-steps 5") ;;
   ramp)  # the acceptance comparison with H ramped from 1 over the first 300 iterations
     RAMP="--dilocox-local-steps-ramp-iters 300"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 300=$DLX $D32 $RAMP"
              --method "sync fp32 inner 4e-3 H ramp 300=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4 $RAMP"
              --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
              --method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 --dilocox-local-steps-ramp-iters 600") ;;
   ramp-length)  # the ramp's length, one seed (ramp 300 and 600 have three in STUDY=ramp)
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 100=$DLX $D32 --dilocox-local-steps-ramp-iters 100"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 300=$DLX $D32 --dilocox-local-steps-ramp-iters 300"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 --dilocox-local-steps-ramp-iters 600") ;;
   ramp-levers)  # with the seed spread gone under ramp 600: the inner and outer lr again, and the ramp's reference
     RAMP="--dilocox-local-steps-ramp-iters 600"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
              --method "DiLoCoX defaults inner 5.6e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP --lr 5.6e-3 --min-lr 5.6e-4"
@@ -212,7 +216,7 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7=$DLX $D32 $RAMP --dilocox-outer-lr 1.7") ;;
   outer-lr)  # the best outer lr of STUDY=ramp-levers (1.4) over three seeds, beside ramp 600 at outer lr 1
     RAMP="--dilocox-local-steps-ramp-iters 600"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600=$DLX $D32 $RAMP"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4") ;;
@@ -220,19 +224,19 @@ case "$STUDY" in
     # while ahead at mid-run: the decay's dropped progress costs most where the lr is low)
     # (the run named "... EF decay follows lr" in docs/convergence/defaults2/runs ran on commit
     # a04d0c8, where the scale followed the lr's warm-up too)
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "$NEW_NAME EF decay 0.9 follows lr decay=$NEW --dilocox-ef-decay 0.9 --dilocox-ef-decay-follows-lr"
              --method "$CUR_NAME=$CUR") ;;
   final-average)  # the end's in-flight round and flushed residual applied as they are (outer lr 1)
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$CUR_NAME=$CUR" --compare "$CUR_NAME" --method "$CUR_NAME final average=$CUR $FINAL") ;;
+    METHODS=("${AR4[@]}"
+             --method "$CUR_NAME=$CUR" --compare "$CUR_NAME" --method "$DEF2_NAME=$DEF2") ;;
   h5)  # C = 2: H 5 after the ramp (at C = 4 it ended 1.5% lower than H 10), on the defaults
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$CUR_NAME final average=$CUR $FINAL" --compare "$CUR_NAME final average"
-             --method "${CUR_NAME/H ramp 600/H 5 ramp 600} final average=$CUR $FINAL --dilocox-local-steps 5") ;;
+    METHODS=("${AR4[@]}"
+             --method "$DEF2_NAME=$DEF2" --compare "$DEF2_NAME"
+             --method "${DEF2_NAME/H ramp 600/H 5 ramp 600}=$DEF2 --dilocox-local-steps 5") ;;
   ef-lr-seeds)  # seeds 2 and 3 of the decay 0.95 following the lr's decay (the defaults' three seeds beside it)
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "$CUR_NAME=$CUR") ;;
   outer-warmup|outer-warmup-2)  # the outer lr warmed up from 1 over the ramp (1.7 had lost from the first
@@ -240,7 +244,7 @@ case "$STUDY" in
     RAMP="--dilocox-local-steps-ramp-iters 600"
     WARM="--dilocox-outer-lr-warmup-iters 600"
     LR2=(--method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 2.0 warm-up 600=$DLX $D32 $RAMP --dilocox-outer-lr 2.0 $WARM")
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4=$DLX $D32 $RAMP --dilocox-outer-lr 1.4"
              --compare "DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.4")
     if [ "$STUDY" = outer-warmup ]; then
@@ -253,7 +257,7 @@ case "$STUDY" in
   clusters|size)  # the acceptance comparison at C = 4 (CLUSTERS=4 OUT=runs/convergence/c4: AllReduce
     # over 4 ranks, the same global batch), or on a larger model (LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x), with AllReduce at the study's best lr only
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$NEW_NAME=$NEW" "${SYNC_ROW[@]}") ;;
   size-lr)  # the larger model (LAYERS=6 HIDDEN=256 OUT=runs/convergence/size4x): AllReduce at 2e-3 and
     # 1e-3 beside the size study's 4e-3 (14% behind 2e-3 there), the best of the three its baseline;
@@ -275,23 +279,23 @@ case "$STUDY" in
              --compare "$I2_24_NAME" --method "$I2F_NAME=$I2F") ;;
   size-final-average)  # the larger model: the end's rounds applied as the replicas' average
     METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME=$I2F"
-             --compare "$I2F_NAME" --method "$I2F_NAME final average=$I2F $FINAL") ;;
+             --compare "$I2F_NAME" --method "$DEFX_NAME=$DEFX") ;;
   size-defaults)  # the larger model: AllReduce and the defaults there (with the final average), over seeds
-    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME final average=$I2F $FINAL"
-             --compare "$I2F_NAME final average") ;;
+    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$DEFX_NAME=$DEFX"
+             --compare "$DEFX_NAME") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
              --baseline "AllReduce lr 4e-3") ;;
   clusters-outer-lr)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4), seed 1: the outer lr above the defaults' 1.7
     # (the averaged progress of four replicas is shorter still), warmed up the same way
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME")
     for LR in 2.4 3.1 4.0; do
       METHODS+=(--method "${NEW_NAME/outer lr 1.7/outer lr $LR}=$NEW --dilocox-outer-lr $LR")
     done ;;
   clusters-seeds)  # C = 4: the defaults against outer lr 3.1 (the best of seed 1), more seeds
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$NEW_NAME=$NEW" --compare "$NEW_NAME"
              --method "${NEW_NAME/outer lr 1.7/outer lr 3.1}=$NEW --dilocox-outer-lr 3.1") ;;
   clusters-levers)  # C = 4, seed 1: around outer lr 3.1, the inner lr for the 8-sequence cluster batch
@@ -305,24 +309,24 @@ case "$STUDY" in
   clusters-ef-lr)  # C = 4, seed 1: the error-feedback decay following the lr's decay at outer lr 3.1
     METHODS=("${C4[@]}" --method "$O31F_NAME=$O31F") ;;
   clusters-h-final)  # C = 4, seed 1: H 5 with the end's rounds as the replicas' average
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$O31F_H5_NAME final average=$O31F $FINAL --dilocox-local-steps 5"
+    METHODS=("${AR4[@]}"
+             --method "$O31F_H5_NAME final average=$DEF4 --dilocox-local-steps 5"
              --compare "$O31F_H5_NAME final average") ;;
   ramp-final)  # the defaults (at C = 2 or 4: outer lr 1.7 or 3.1) and the same with the H ramp over 1000
     case "$CLUSTERS" in
-      2) DF="$CUR $FINAL" DF_NAME="$CUR_NAME final average" ;;
-      4) DF="$O31F $FINAL" DF_NAME="$O31F_NAME final average" ;;
+      2) DF="$DEF2" DF_NAME="$DEF2_NAME" ;;
+      4) DF="$DEF4" DF_NAME="$DEF4_NAME" ;;
       *) echo "STUDY=ramp-final needs CLUSTERS 2 or 4, got $CLUSTERS" >&2; exit 2 ;;
     esac
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$DF_NAME=$DF" --compare "$DF_NAME"
              --method "${DF_NAME/H ramp 600/H ramp 1000}=$DF --dilocox-local-steps-ramp-iters 1000") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
-             --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$O31F_NAME final average=$O31F $FINAL") ;;
+    METHODS=("${AR4[@]}"
+             --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$DEF4_NAME=$DEF4") ;;
   clusters-h)  # C = 4, seed 1, on the defaults there: shorter rounds (H 5 after the ramp), and
     # the longer ramp (1000 was 0.7% below 600 with the constant decay)
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3"
+    METHODS=("${AR4[@]}"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME"
              --method "$O31F_H5_NAME=$O31F --dilocox-local-steps 5"
              --method "${O31F_NAME/H ramp 600/H ramp 1000}=$O31F --dilocox-local-steps-ramp-iters 1000") ;;
