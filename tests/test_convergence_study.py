@@ -154,6 +154,20 @@ def test_summary_gaps_and_spread(tmp_path):
     assert rows["DLX"]["bytes_vs_baseline"] == pytest.approx(100)
 
 
+def test_gap_pairs_seeds(tmp_path, capsys):
+    """A method with fewer seeds than its baseline is compared with the same seeds of the baseline."""
+    study = _study(tmp_path, {"AR": "", "DLX": "--dilocox"}, ["AR"], seeds=(1, 2, 3))
+    for seed, loss in zip((1, 2, 3), (4.00, 4.30, 4.20)):
+        _finish(study, "AR", seed, loss, nbytes=10_000)
+    _finish(study, "DLX", 2, 4.38, nbytes=100)
+    results = cs.summarize(study)
+    dlx = results["methods"]["DLX"]
+    assert dlx["gap"] == pytest.approx(4.38 / 4.30 - 1)  # not 4.38 / mean(4.0, 4.3, 4.2) - 1
+    assert dlx["gap_seeds"] == [2] and "gap_exceeds_spread" not in dlx  # one seed has no spread
+    cs.print_table(results)
+    assert "DLX vs AR: over seed(s) 2 only" in capsys.readouterr().out
+
+
 def test_refuses_a_study_whose_data_would_repeat(tiny_dataset, tmp_path, capsys):
     def argv(iters):
         return ["--out", str(tmp_path / "s"), "--method", "A=", "--baseline", "A", "--dry-run", "--",

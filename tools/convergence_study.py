@@ -27,8 +27,10 @@ all runs are measured on one fixed held-out set; its standard error is reported.
   the run's folder, holding its host and pid) and skips runs other live processes hold, so two
   or more launches with the same ``--out`` share the study's runs (on more cores, or machines
   sharing the folder); a claim whose process died on this host is taken over.
-- **Gap:** ``(method - baseline) / baseline`` of the mean final validation losses; ``> spread``
-  says whether it exceeds the larger of the two methods' seed standard deviations.
+- **Gap:** ``(method - baseline) / baseline`` of the mean final validation losses over the seeds
+  both have finished (paired: a method with seed 1 only is compared with the baseline's seed 1,
+  not with the mean of its three seeds); ``> spread`` says whether it exceeds the larger of the
+  two methods' seed standard deviations over those seeds.
 
 Writes ``results.json`` and ``curves.png`` (validation loss vs tokens and vs cross-cluster bytes,
 mean over seeds) into ``--out``; per-run metrics and logs stay in ``--out/runs/``.
@@ -415,6 +417,23 @@ def _std(xs: list[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
+def _paired_gap(key: str, runs: list[dict], ref_runs: list[dict]) -> dict:
+    """``key``: the gap of ``runs`` to ``ref_runs`` over the seeds both finished (a method's
+    seeds against the same seeds of its reference, never against the reference's other seeds);
+    ``key_seeds``: those seeds; ``key_exceeds_spread``: whether the difference of the means is
+    above the larger seed standard deviation (with two paired seeds or more)."""
+    ref = {r["seed"]: r["val_loss"] for r in ref_runs}
+    seeds = sorted(r["seed"] for r in runs if r["seed"] in ref)
+    if not seeds:
+        return {}
+    own = {r["seed"]: r["val_loss"] for r in runs}
+    a, b = [own[s] for s in seeds], [ref[s] for s in seeds]
+    out = {key: statistics.mean(a) / statistics.mean(b) - 1, key + "_seeds": seeds}
+    if len(seeds) > 1:  # a spread needs two seeds
+        out[key + "_exceeds_spread"] = abs(statistics.mean(a) - statistics.mean(b)) > max(_std(a), _std(b))
+    return out
+
+
 def summarize(study: Study) -> dict:
     """Per-method figures over seeds, the baseline and the gaps."""
     rows = {}
@@ -434,10 +453,7 @@ def summarize(study: Study) -> dict:
     for name, row in rows.items():
         for key, ref in (("gap", base), ("gap_compare", study.args.compare)):
             if ref in rows:
-                r = rows[ref]
-                row[key] = row["val_loss"] / r["val_loss"] - 1
-                if min(len(row["seeds"]), len(r["seeds"])) > 1:  # a spread needs two seeds
-                    row[key + "_exceeds_spread"] = abs(row["val_loss"] - r["val_loss"]) > max(row["std"], r["std"])
+                row.update(_paired_gap(key, row["runs"], rows[ref]["runs"]))
         if base in rows and rows[base]["cross_cluster_bytes"] and row["cross_cluster_bytes"]:
             row["bytes_vs_baseline"] = rows[base]["cross_cluster_bytes"] / row["cross_cluster_bytes"]
     return dict(baseline=base, compare=study.args.compare, setting=study.cfg["facts"],
@@ -469,7 +485,13 @@ def print_table(results: dict) -> None:
         print(f"{name:<{width}} {len(r['seeds']):>2} {r['val_loss']:>8.4f} {r['std']:>6.4f} {r['val_loss_se']:>6.4f}"
               f" {gap} {exceeds:>7}{cmp} {per_round:>11} {ratio:>10} {r['cross_cluster_bytes'] / 2**20:>9.1f} {vs:>13}")
     print("std: over seeds; se: standard error of the validation set; >spread: |gap| above the larger std; "
-          "fp32/round: dense fp32 pseudo-gradient bytes over the bytes sent")
+          "fp32/round: dense fp32 pseudo-gradient bytes over the bytes sent; vs: over the seeds both finished")
+    methods = results["methods"]
+    for name, r in methods.items():
+        for key, ref in (("gap", results["baseline"]), ("gap_compare", compare)):
+            paired = r.get(key + "_seeds")
+            if paired and (paired != r["seeds"] or paired != methods[ref]["seeds"]):
+                print(f"  {name} vs {ref}: over seed(s) {', '.join(map(str, paired))} only")
 
 
 def plot(results: dict, path: Path) -> None:
