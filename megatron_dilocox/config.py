@@ -16,7 +16,7 @@ blockwise absmax int8, an error of at most 1/254 of a block's largest entry, at 
 of the bytes of fp32."""
 
 
-DEFAULT_RAMP_ITERS = 600
+DEFAULT_RAMP_ITERS = 1000
 """``--dilocox-local-steps-ramp-iters`` when not given (and H not adaptive)."""
 OUTER_LR_PER_CLUSTER = 0.7
 """The default outer lr's growth per cluster beyond the first (:attr:`DiLoCoXConfig.peak_outer_lr`)."""
@@ -44,13 +44,13 @@ class DiLoCoXConfig:
 
     local_steps_ramp_iters: int | None = None
     """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off;
-    default 600, with adaptive H 0).
+    default 1000, with adaptive H 0).
 
     The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
     ``min(H, 1 + H * i // N)``, so the first rounds, where the replicas would drift apart most
     while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
     AllReduce halved and the seed spread went; on 1,400-iteration runs 1000 ended lower still in
-    every seed at 2 and 4 clusters). The ramp adds about
+    every seed at 2 and 4 clusters, and became the default). The ramp adds about
     ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, 193 at N = 1000, H = 10), each on
     a slow link costing a round's fixed overhead on top of its step (docs/benchmarks.md). None:
     :attr:`ramp_iters`."""

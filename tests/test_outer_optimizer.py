@@ -78,7 +78,7 @@ def test_config_defaults_are_valid():
     assert DiLoCoXConfig(clusters=4, outer_lr=1.7).peak_outer_lr == 1.7
     four = DiLoCoXConfig(clusters=4)
     assert [four.outer_lr_at(i) for i in (0, 300, 600, 900)] == pytest.approx([1.0, 2.05, 3.1, 3.1])
-    assert cfg.ramp_iters == 600 and [cfg.local_steps_at(i) for i in (0, 30, 599, 600)] == [1, 2, 20, 20]
+    assert cfg.ramp_iters == 1000 and [cfg.local_steps_at(i) for i in (0, 50, 999, 1000)] == [1, 2, 20, 20]
     adaptive = DiLoCoXConfig(max_local_steps=40)
     adaptive.validate()  # adaptive H sets H itself: no ramp unless asked for (which it refuses)
     assert adaptive.ramp_iters == 0 and adaptive.local_steps_at(0) == 20

@@ -23,9 +23,10 @@
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-defaults SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-ramp-final SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
-#   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000
+#   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000 and 600
 #   STUDY=ramp-final OUT=runs/convergence/defaults2 bash examples/benchmark/convergence.sh  # the same at C = 2
 #   STUDY=clusters-ramp CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -94,7 +95,10 @@ NEW_NAME="DiLoCoX defaults inner 4e-3 density 1/32 H ramp 600 outer lr 1.7 warm-
 CUR="$NEW --dilocox-ef-decay-follows-lr"
 CUR_NAME="$NEW_NAME EF decay follows lr decay"
 FINAL="--dilocox-final-average"
-DEF2="$CUR $FINAL" DEF2_NAME="$CUR_NAME final average"  # the defaults at C = 2 since 2026-12-06
+DEF2="$CUR $FINAL" DEF2_NAME="$CUR_NAME final average"  # the defaults at C = 2 of 2026-12-06
+# The defaults since 2026-12-07 (*_NOW, as --method arguments): those with the H ramp over 1000.
+R1000="--dilocox-local-steps-ramp-iters 1000"
+DEF2_NOW="${DEF2_NAME/H ramp 600/H ramp 1000}=$DEF2 $R1000"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -103,13 +107,14 @@ AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 -
            --baseline "AllReduce lr 1e-3")
 AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
 AR4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3")  # AllReduce at its best lr, the baseline
+AR2=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3")  # the same on the larger model (LAYERS=6 HIDDEN=256)
 # The acceptance comparison on the pinned corpus: each method at its best inner lr of seed 1 (DiLoCoX:
 # 4e-3 of 4e-3, 5.6e-3, 8e-3 at density 1/32, 8e-3 level with it; blocking DiLoCo: 4e-3 of 2.8e-3,
 # 4e-3, 5.6e-3; AllReduce: 4e-3 of 1e-3, 2e-3, 4e-3, 8e-3). AllReduce's other lrs run last of the
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$DEF2_NAME=$DEF2"
+DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$DEF2_NOW"
           "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
@@ -118,9 +123,10 @@ O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
 O31="$NEW --dilocox-outer-lr 3.1"
 C4=("${AR4[@]}"
     --method "$O31_NAME=$O31" --compare "$O31_NAME")
-O31F_NAME="$O31_NAME EF decay follows lr decay"  # the defaults at C = 4 since 2026-12-06
+O31F_NAME="$O31_NAME EF decay follows lr decay"  # with FINAL: the defaults at C = 4 of 2026-12-06
 O31F="$O31 --dilocox-ef-decay-follows-lr"
 DEF4="$O31F $FINAL" DEF4_NAME="$O31F_NAME final average"  # the same at C = 4
+DEF4_NOW="${DEF4_NAME/H ramp 600/H ramp 1000}=$DEF4 $R1000"
 O31F_H5_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600}"
 # The larger model (LAYERS=6 HIDDEN=256): its best DiLoCoX setting (inner 2e-3, outer lr 2.4), and
 # that with the error-feedback decay following the inner lr.
@@ -130,6 +136,7 @@ I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
 I2F="$I2_24 --dilocox-ef-decay-follows-lr"
 I2F_NAME="$I2_24_NAME EF decay follows lr decay"
 DEFX="$I2F $FINAL" DEFX_NAME="$I2F_NAME final average"  # the same on the larger model
+DEFX_NOW="${DEFX_NAME/H ramp 600/H ramp 1000}=$DEFX $R1000"
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -275,13 +282,13 @@ case "$STUDY" in
              --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 1e-3") ;;
   size-ef-lr)  # the larger model (LAYERS=6 HIDDEN=256 OUT=runs/convergence/size4x): its best DiLoCoX
     # setting so far (inner 2e-3, outer lr 2.4) with the error-feedback decay following the inner lr
-    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2_24_NAME=$I2_24"
+    METHODS=("${AR2[@]}" --method "$I2_24_NAME=$I2_24"
              --compare "$I2_24_NAME" --method "$I2F_NAME=$I2F") ;;
   size-final-average)  # the larger model: the end's rounds applied as the replicas' average
-    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$I2F_NAME=$I2F"
+    METHODS=("${AR2[@]}" --method "$I2F_NAME=$I2F"
              --compare "$I2F_NAME" --method "$DEFX_NAME=$DEFX") ;;
   size-defaults)  # the larger model: AllReduce and the defaults there (with the final average), over seeds
-    METHODS=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3" --method "$DEFX_NAME=$DEFX"
+    METHODS=("${AR2[@]}" --method "$DEFX_NAME=$DEFX"
              --compare "$DEFX_NAME") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
@@ -312,15 +319,15 @@ case "$STUDY" in
     METHODS=("${AR4[@]}"
              --method "$O31F_H5_NAME final average=$DEF4 --dilocox-local-steps 5"
              --compare "$O31F_H5_NAME final average") ;;
-  ramp-final)  # the defaults (at C = 2 or 4: outer lr 1.7 or 3.1) and the same with the H ramp over 1000
-    case "$CLUSTERS" in
-      2) DF="$DEF2" DF_NAME="$DEF2_NAME" ;;
-      4) DF="$DEF4" DF_NAME="$DEF4_NAME" ;;
-      *) echo "STUDY=ramp-final needs CLUSTERS 2 or 4, got $CLUSTERS" >&2; exit 2 ;;
+  ramp-final|size-ramp-final)  # the defaults (the H ramp over 1000) and those of 2026-12-06 (over
+    # 600), at C = 2 or 4 (outer lr 1.7 or 3.1) or on the larger model (inner 2e-3, outer lr 2.4)
+    case "$STUDY/$CLUSTERS" in
+      ramp-final/2) DF="$DEF2" DF_NAME="$DEF2_NAME" NOW="$DEF2_NOW" BASE=("${AR4[@]}") ;;
+      ramp-final/4) DF="$DEF4" DF_NAME="$DEF4_NAME" NOW="$DEF4_NOW" BASE=("${AR4[@]}") ;;
+      size-ramp-final/2) DF="$DEFX" DF_NAME="$DEFX_NAME" NOW="$DEFX_NOW" BASE=("${AR2[@]}") ;;
+      *) echo "STUDY=$STUDY: ramp-final runs at CLUSTERS 2 or 4, size-ramp-final at 2; got CLUSTERS=$CLUSTERS" >&2; exit 2 ;;
     esac
-    METHODS=("${AR4[@]}"
-             --method "$DF_NAME=$DF" --compare "$DF_NAME"
-             --method "${DF_NAME/H ramp 600/H ramp 1000}=$DF --dilocox-local-steps-ramp-iters 1000") ;;
+    METHODS=("${BASE[@]}" --method "$NOW" --method "$DF_NAME=$DF" --compare "$DF_NAME") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=("${AR4[@]}"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$DEF4_NAME=$DEF4") ;;
@@ -337,7 +344,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
