@@ -15,7 +15,7 @@ DATA=${DATA:-data/quickstart}
 RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
-# The product's defaults unless given: H ramped from 1 over the first 600 iterations (the
+# The product's defaults unless given: H ramped from 1 over the first 1,000 iterations (the
 # projected uncompressed rows run without it), outer SGD lr 1.7 (at 2 clusters) without momentum warmed up from 1
 # over 600 iterations, `delay` with the average landing one step into the next round, topk
 # (density 1/32, 2-bit values, error feedback) with the residual flushed at the end

@@ -47,7 +47,7 @@ EVAL_AND_LOGGING_ARGS=(
   --tensorboard-dir "$LOG_DIR/tensorboard" --metrics-file "$LOG_DIR/metrics.jsonl"
   ${WANDB_PROJECT:+--wandb-project "$WANDB_PROJECT" --wandb-exp-name "$NAME"}
 )
-# The product's DiLoCoX defaults (docs/convergence.md): H ramped from 1 over the first 600
+# The product's DiLoCoX defaults (docs/convergence.md): H ramped from 1 over the first 1,000
 # iterations, one-step-delay overlap with the average landing one inner step into the next round,
 # outer SGD warmed up from 1 over the first 600 iterations to 1.7 (3.1 with CLUSTERS=4), top-k 2-bit pseudo-gradients
 # with error feedback on 1/32 of the entries (111x fewer bytes than fp32). They were measured at

@@ -58,7 +58,7 @@ EVAL_AND_LOGGING_ARGS=(
 # The paper's DiLoCoX recipe, not the product defaults: its one-step delay applies a round's
 # average at the next boundary (overlap 125 = H), DiLoCo's outer Nesterov 0.7 / 0.9 at H = 125 from
 # the first round (no H ramp, no outer lr warm-up), and rank-8 8-bit low-rank factors. The defaults
-# (H ramped from 1 over 600 iterations, the average landing one step in, outer SGD 1.7 at 2 clusters warmed up
+# (H ramped from 1 over 1,000 iterations, the average landing one step in, outer SGD 1.7 at 2 clusters warmed up
 # from 1 over 600 iterations, top-k 2-bit) were chosen at H = 10 on a 1M-parameter model
 # (docs/convergence.md) and are not measured at this size; drop the last five lines to run them
 # (the planner below shows that a round's exchange would still hide inside one step here).
