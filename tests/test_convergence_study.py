@@ -165,7 +165,15 @@ def test_gap_pairs_seeds(tmp_path, capsys):
     assert dlx["gap"] == pytest.approx(4.38 / 4.30 - 1)  # not 4.38 / mean(4.0, 4.3, 4.2) - 1
     assert dlx["gap_seeds"] == [2] and "gap_exceeds_spread" not in dlx  # one seed has no spread
     cs.print_table(results)
-    assert "DLX vs AR: over seed(s) 2 only" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DLX vs AR: over seed(s) 2 only" in out and "AR vs AR" not in out
+    # Seeds finished in another order than the seeds' sort (SEEDS=3,1,2) are still all of them.
+    for seed, loss in ((3, 4.41), (1, 4.12)):
+        _finish(study, "DLX", seed, loss, nbytes=100)
+    results = cs.summarize(study)
+    results["methods"]["DLX"]["seeds"] = [3, 1, 2]
+    cs.print_table(results)
+    assert "only" not in capsys.readouterr().out
 
 
 def test_refuses_a_study_whose_data_would_repeat(tiny_dataset, tmp_path, capsys):

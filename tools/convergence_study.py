@@ -490,7 +490,7 @@ def print_table(results: dict) -> None:
     for name, r in methods.items():
         for key, ref in (("gap", results["baseline"]), ("gap_compare", compare)):
             paired = r.get(key + "_seeds")
-            if paired and (paired != r["seeds"] or paired != methods[ref]["seeds"]):
+            if paired and (paired != sorted(r["seeds"]) or paired != sorted(methods[ref]["seeds"])):
                 print(f"  {name} vs {ref}: over seed(s) {', '.join(map(str, paired))} only")
 
 
