@@ -98,15 +98,17 @@ FINAL="--dilocox-final-average"
 DEF2="$CUR $FINAL" DEF2_NAME="$CUR_NAME final average"  # the defaults at C = 2 of 2026-12-06
 # The defaults since 2026-12-07 (*_NOW, as --method arguments): those with the H ramp over 1000.
 R1000="--dilocox-local-steps-ramp-iters 1000"
-DEF2_NOW="${DEF2_NAME/H ramp 600/H ramp 1000}=$DEF2 $R1000"
+now() { echo "${1/H ramp 600/H ramp 1000}=$2 $R1000"; }  # now NAME FLAGS: that method with the ramp over 1000
+DEF2_NOW="$(now "$DEF2_NAME" "$DEF2")"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
            --method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4"
            --baseline "AllReduce lr 4e-3" --baseline "AllReduce lr 2e-3" --baseline "AllReduce lr 8e-3"
            --baseline "AllReduce lr 1e-3")
-AR=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" "${AR_OTHERS[@]}")
-AR4=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --baseline "AllReduce lr 4e-3")  # AllReduce at its best lr, the baseline
+AR4_RUN=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4")  # AllReduce at its best lr on the 1.1M model
+AR=("${AR4_RUN[@]}" "${AR_OTHERS[@]}")
+AR4=("${AR4_RUN[@]}" --baseline "AllReduce lr 4e-3")  # AllReduce at its best lr, the baseline
 AR2=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3")  # the same on the larger model (LAYERS=6 HIDDEN=256)
 # The acceptance comparison on the pinned corpus: each method at its best inner lr of seed 1 (DiLoCoX:
 # 4e-3 of 4e-3, 5.6e-3, 8e-3 at density 1/32, 8e-3 level with it; blocking DiLoCo: 4e-3 of 2.8e-3,
@@ -114,9 +116,9 @@ AR2=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3")  # the same o
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "$DEF2_NOW"
+DEFAULTS=("${AR4_RUN[@]}" --method "$DEF2_NOW"
           "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
-DEFAULTS_1203=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
+DEFAULTS_1203=("${AR4_RUN[@]}" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 # C = 4: AllReduce and the defaults there (outer lr 3.1), against which the C = 4 levers compare.
 O31_NAME="${NEW_NAME/outer lr 1.7/outer lr 3.1}"
@@ -126,7 +128,7 @@ C4=("${AR4[@]}"
 O31F_NAME="$O31_NAME EF decay follows lr decay"  # with FINAL: the defaults at C = 4 of 2026-12-06
 O31F="$O31 --dilocox-ef-decay-follows-lr"
 DEF4="$O31F $FINAL" DEF4_NAME="$O31F_NAME final average"  # the same at C = 4
-DEF4_NOW="${DEF4_NAME/H ramp 600/H ramp 1000}=$DEF4 $R1000"
+DEF4_NOW="$(now "$DEF4_NAME" "$DEF4")"
 O31F_H5_NAME="${O31F_NAME/H ramp 600/H 5 ramp 600}"
 # The larger model (LAYERS=6 HIDDEN=256): its best DiLoCoX setting (inner 2e-3, outer lr 2.4), and
 # that with the error-feedback decay following the inner lr.
@@ -136,7 +138,7 @@ I2_24_NAME="${I2_24_NAME/outer lr 1.7/outer lr 2.4}"
 I2F="$I2_24 --dilocox-ef-decay-follows-lr"
 I2F_NAME="$I2_24_NAME EF decay follows lr decay"
 DEFX="$I2F $FINAL" DEFX_NAME="$I2F_NAME final average"  # the same on the larger model
-DEFX_NOW="${DEFX_NAME/H ramp 600/H ramp 1000}=$DEFX $R1000"
+DEFX_NOW="$(now "$DEFX_NAME" "$DEFX")"
 case "$STUDY" in
   pilot)
     OLD_DEFAULTS="--dilocox-sync-mode delay --dilocox-compression lowrank-quantize --dilocox-rank 8 --dilocox-quant-bits 8 --dilocox-outer-lr 0.7 --dilocox-outer-momentum 0.9"
@@ -188,7 +190,7 @@ case "$STUDY" in
              --method "DiLoCoX defaults inner 8e-3 density 1/32=$DLX --lr 8e-3 --min-lr 8e-4 --dilocox-topk-density 0.03125") ;;
   early)  # levers aimed at the first rounds, on blocking DiLoCo first (its seed spread is made there)
     SYNC4="$SYNC_FP32 --lr 4e-3 --min-lr 4e-4"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "sync fp32 inner 4e-3=$SYNC4"
+    METHODS=("${AR4_RUN[@]}" --method "sync fp32 inner 4e-3=$SYNC4"
              --baseline "AllReduce lr 4e-3" --compare "sync fp32 inner 4e-3"
              --method "sync fp32 inner 4e-3 H1=$SYNC4 --dilocox-local-steps 1"
              --method "sync fp32 inner 4e-3 H ramp 300=$SYNC4 --dilocox-local-steps-ramp-iters 300"
@@ -273,7 +275,7 @@ case "$STUDY" in
     # lr 3.1 (2.4 beat 1.7 here), inner 1e-3 last
     I2="$NEW --lr 2e-3 --min-lr 2e-4"
     I2_NAME="${NEW_NAME/inner 4e-3/inner 2e-3}"
-    METHODS=(--method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4" --method "AllReduce lr 2e-3="
+    METHODS=("${AR4_RUN[@]}" --method "AllReduce lr 2e-3="
              --method "$NEW_NAME=$NEW" --method "$I2_NAME=$I2"
              --method "${I2_NAME/outer lr 1.7/outer lr 2.4}=$I2 --dilocox-outer-lr 2.4"
              --method "AllReduce lr 1e-3=--lr 1e-3 --min-lr 1e-4"
@@ -292,7 +294,7 @@ case "$STUDY" in
              --compare "$DEFX_NAME") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
-    METHODS=(--method "$O31_NAME=$O31" --method "AllReduce lr 4e-3=--lr 4e-3 --min-lr 4e-4"
+    METHODS=(--method "$O31_NAME=$O31" "${AR4_RUN[@]}"
              --baseline "AllReduce lr 4e-3") ;;
   clusters-outer-lr)  # C = 4 (CLUSTERS=4 OUT=runs/convergence/c4), seed 1: the outer lr above the defaults' 1.7
     # (the averaged progress of four replicas is shorter still), warmed up the same way
