@@ -24,6 +24,7 @@
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-defaults SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-ramp-final SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
+#   STUDY=size-sync LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h-final CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=clusters-h CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=ramp-final CLUSTERS=4 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # the H ramp over 1000 and 600
@@ -292,6 +293,12 @@ case "$STUDY" in
   size-defaults)  # the larger model: AllReduce and the defaults there (with the final average), over seeds
     METHODS=("${AR2[@]}" --method "$DEFX_NAME=$DEFX"
              --compare "$DEFX_NAME") ;;
+  size-sync)  # the larger model, beside AllReduce and the defaults there (size-ramp-final's runs):
+    # uncompressed blocking DiLoCo at their inner lr, and the defaults at the outer lr the product
+    # picks for C = 2 (1.7) instead of 2.4
+    METHODS=("${AR2[@]}" --method "$DEFX_NOW"
+             --method "sync fp32 inner 2e-3=$SYNC_FP32" --compare "sync fp32 inner 2e-3"
+             --method "$(now "${DEFX_NAME/outer lr 2.4/outer lr 1.7}" "$DEFX --dilocox-outer-lr 1.7")") ;;
   size-clusters)  # the larger model at C = 4 (CLUSTERS=4 LAYERS=6 HIDDEN=256 ITERS=1400
     # OUT=runs/convergence/size4x_c4): the defaults there (outer lr 3.1) first, then AllReduce over 4 ranks
     METHODS=(--method "$O31_NAME=$O31" "${AR4_RUN[@]}"
@@ -346,7 +353,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-sync, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
