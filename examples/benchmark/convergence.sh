@@ -20,6 +20,7 @@
 #   STUDY=clusters-ef-lr CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=final-average SEEDS=1 bash examples/benchmark/convergence.sh  # the end's rounds as the replicas' average
 #   STUDY=h5 SEEDS=1 bash examples/benchmark/convergence.sh  # H 5 at C = 2
+#   STUDY=outer-lr-final SEEDS=1 bash examples/benchmark/convergence.sh  # the defaults at outer lr 2.4
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-defaults SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -49,7 +50,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5|outer-lr-final) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -337,6 +338,9 @@ case "$STUDY" in
       *) echo "STUDY=$STUDY: ramp-final runs at CLUSTERS 2 or 4, size-ramp-final at 2; got CLUSTERS=$CLUSTERS" >&2; exit 2 ;;
     esac
     METHODS=("${BASE[@]}" --method "$NOW" --method "$DF_NAME=$DF" --compare "$DF_NAME") ;;
+  outer-lr-final)  # C = 2: the defaults at outer lr 2.4 (the 4x model's best) beside their own 1.7
+    METHODS=("${AR4[@]}" --method "$DEF2_NOW" --compare "${DEF2_NAME/H ramp 600/H ramp 1000}"
+             --method "$(now "${DEF2_NAME/outer lr 1.7/outer lr 2.4}" "$DEF2 --dilocox-outer-lr 2.4")") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=("${AR4[@]}"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$DEF4_NAME=$DEF4") ;;
@@ -353,7 +357,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-sync, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, outer-lr-final, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-sync, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
