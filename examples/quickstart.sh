@@ -27,7 +27,7 @@ LOG_ARGS=(--log-interval 20 --eval-interval 40 --eval-iters 6 --seed 1234)
 echo "> DiLoCoX: 2 clusters, each its own job of 2 ranks (PP=2), H ramped from 1 to 10 over 1,000 iterations (this short run: rounds of 1 and 2 steps), one-step-delay overlap landing 1 step in, top-k 2-bit exchange"
 python -m megatron_dilocox.launch --clusters 2 --nproc-per-cluster 2 -- pretrain_gpt.py "${MODEL_ARGS[@]}" \
   "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${LOG_ARGS[@]}" --pipeline-model-parallel-size 2 \
-  --dilocox --dilocox-local-steps 10 --metrics-file "$OUT/dilocox.jsonl" 2>&1 \
+  --dilocox --metrics-file "$OUT/dilocox.jsonl" 2>&1 \
   | tee "$OUT/dilocox.log" | { grep --line-buffered -E '^\[cluster 0\] +(\[|validation|> )|^> ' || true; }
 
 echo "> AllReduce baseline: the same 2 x (PP=2) ranks, gradients reduced across clusters every step"

@@ -18,8 +18,8 @@ of the bytes of fp32."""
 
 DEFAULT_RAMP_ITERS = 1000
 """``--dilocox-local-steps-ramp-iters`` when not given (and H not adaptive)."""
-OUTER_LR_PER_CLUSTER = 0.7
-"""The default outer lr's growth per cluster beyond the first (:attr:`DiLoCoXConfig.peak_outer_lr`)."""
+OUTER_LR_GAIN = 2.8
+"""The default outer lr is ``1 + OUTER_LR_GAIN * (1 - 1 / C)`` (:attr:`DiLoCoXConfig.peak_outer_lr`)."""
 
 DEFAULT_OVERLAP_STEPS = 1
 """``--dilocox-overlap-steps`` when not given: the average lands one inner step into the next
@@ -37,10 +37,10 @@ class DiLoCoXConfig:
 
     Each cluster holds a full model replica and trains on its own data."""
 
-    local_steps: int = 20
+    local_steps: int = 10
     """H: inner steps per outer round.
 
-    With adaptive H (:attr:`max_local_steps`) the first round's H."""
+    The other defaults were chosen and measured at 10 (docs/convergence.md). With adaptive H (:attr:`max_local_steps`) the first round's H."""
 
     local_steps_ramp_iters: int | None = None
     """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off;
@@ -91,14 +91,15 @@ class DiLoCoXConfig:
     tools/plan.py shows whether it hides)."""
 
     outer_lr: float | None = None
-    """Outer SGD learning rate (default 1 + 0.7 (C - 1): 1.7 at 2 clusters, 3.1 at 4).
+    """Outer SGD learning rate (default 1 + 2.8 (1 - 1/C): 2.4 at 2 clusters, 3.1 at 4).
 
     Without momentum, warmed up from 1 (:attr:`outer_lr_warmup_iters`), by measurement at H = 10
     with the H ramp (docs/convergence.md): the replicas' averaged progress is shorter than
     either's where they disagree, the more so the more replicas are averaged, and a longer step
-    restores it. The best measured: 1.7-2.0 at C = 2, 3.1-4.0 at C = 4 (3.1 2.5% below 1.7 there
-    over three seeds); the default is the line through 1.7 and 3.1, 1 (the replica itself) at
-    C = 1, an extrapolation above 4 clusters. Without the warm-up 1.7 lost from the first rounds
+    restores it. The best measured: 2.4 at C = 2 (1.2% below 1.7 over three seeds on a 1.1M
+    model, 2.5% on a 5.8M one, seed 1), 3.1-4.0 at C = 4 (3.1 2.5% below 1.7 over three seeds); the
+    default passes through 2.4 and 3.1 and is 1 (the replica itself) at C = 1, an extrapolation
+    above 4 clusters that saturates at 3.8. Without the warm-up 1.7 lost from the first rounds
     on. Outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled). None: :attr:`peak_outer_lr`."""
 
     outer_lr_warmup_iters: int = 600
@@ -171,10 +172,10 @@ class DiLoCoXConfig:
     @property
     def peak_outer_lr(self) -> float:
         """The outer lr after the warm-up: :attr:`outer_lr`, or when not given
-        ``1 + OUTER_LR_PER_CLUSTER * (clusters - 1)``."""
+        ``1 + OUTER_LR_GAIN * (1 - 1 / clusters)``."""
         if self.outer_lr is not None:
             return self.outer_lr
-        return 1.0 + OUTER_LR_PER_CLUSTER * (self.clusters - 1)
+        return 1.0 + OUTER_LR_GAIN * (1.0 - 1.0 / self.clusters)
 
     def outer_lr_at(self, iteration: int) -> float:
         """Outer lr of the round that ends at ``iteration`` (:attr:`outer_lr_warmup_iters`)."""

@@ -59,7 +59,7 @@ def test_help_parses_flags_before_heavy_imports(tool, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stderr
     if tool in ("pretrain_gpt.py", "tools/plan.py"):
-        assert "H: inner steps per outer round. (default: 20)" in " ".join(proc.stdout.split())
+        assert "H: inner steps per outer round. (default: 10)" in " ".join(proc.stdout.split())
 
 
 def test_every_flag_has_help():

@@ -71,17 +71,17 @@ def test_optimizer_rejects_bad_input():
 def test_config_defaults_are_valid():
     cfg = DiLoCoXConfig()
     cfg.validate()
-    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode, cfg.landing) == (2, 20, "delay", 1)
-    assert (cfg.peak_outer_lr, cfg.outer_lr_warmup_iters, cfg.outer_momentum, cfg.use_nesterov) == (1.7, 600, 0.0, False)
-    # The default outer lr grows with the clusters averaged (1 + 0.7 (C - 1)); a given one is kept.
-    assert [DiLoCoXConfig(clusters=c).peak_outer_lr for c in (1, 2, 3, 4)] == pytest.approx([1.0, 1.7, 2.4, 3.1])
+    assert (cfg.clusters, cfg.local_steps, cfg.sync_mode, cfg.landing) == (2, 10, "delay", 1)
+    assert (cfg.peak_outer_lr, cfg.outer_lr_warmup_iters, cfg.outer_momentum, cfg.use_nesterov) == (2.4, 600, 0.0, False)
+    # The default outer lr grows with the clusters averaged (1 + 2.8 (1 - 1/C)); a given one is kept.
+    assert [DiLoCoXConfig(clusters=c).peak_outer_lr for c in (1, 2, 4, 8)] == pytest.approx([1.0, 2.4, 3.1, 3.45])
     assert DiLoCoXConfig(clusters=4, outer_lr=1.7).peak_outer_lr == 1.7
     four = DiLoCoXConfig(clusters=4)
     assert [four.outer_lr_at(i) for i in (0, 300, 600, 900)] == pytest.approx([1.0, 2.05, 3.1, 3.1])
-    assert cfg.ramp_iters == 1000 and [cfg.local_steps_at(i) for i in (0, 50, 999, 1000)] == [1, 2, 20, 20]
+    assert cfg.ramp_iters == 1000 and [cfg.local_steps_at(i) for i in (0, 100, 999, 1000)] == [1, 2, 10, 10]
     adaptive = DiLoCoXConfig(max_local_steps=40)
     adaptive.validate()  # adaptive H sets H itself: no ramp unless asked for (which it refuses)
-    assert adaptive.ramp_iters == 0 and adaptive.local_steps_at(0) == 20
+    assert adaptive.ramp_iters == 0 and adaptive.local_steps_at(0) == 10
 
 
 @pytest.mark.parametrize(

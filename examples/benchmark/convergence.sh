@@ -102,6 +102,8 @@ DEF2="$CUR $FINAL" DEF2_NAME="$CUR_NAME final average"  # the defaults at C = 2 
 R1000="--dilocox-local-steps-ramp-iters 1000"
 now() { echo "${1/H ramp 600/H ramp 1000}=$2 $R1000"; }  # now NAME FLAGS: that method with the ramp over 1000
 DEF2_NOW="$(now "$DEF2_NAME" "$DEF2")"
+# The defaults at C = 2 since the evening of 2026-12-07: outer lr 2.4 instead of 1.7.
+DEF2_24_NOW="$(now "${DEF2_NAME/outer lr 1.7/outer lr 2.4}" "$DEF2 --dilocox-outer-lr 2.4")"
 # AllReduce at four learning rates: 4e-3 is the best on the pinned corpus (2e-3 on the earlier
 # one at this budget, 4e-3 at the pilot's 2.5 tokens per parameter).
 AR_OTHERS=(--method "AllReduce lr 2e-3=" --method "AllReduce lr 8e-3=--lr 8e-3 --min-lr 8e-4"
@@ -118,7 +120,7 @@ AR2=(--method "AllReduce lr 2e-3=" --baseline "AllReduce lr 2e-3")  # the same o
 # first seed, so that an early stop already holds the comparison. DEFAULTS_1203: the same with the
 # defaults of 2026-12-03 (the levers, lr and batch studies were measured against it).
 SYNC_ROW=(--method "sync fp32 inner 4e-3=$SYNC_FP32 --lr 4e-3 --min-lr 4e-4" --compare "sync fp32 inner 4e-3")
-DEFAULTS=("${AR4_RUN[@]}" --method "$DEF2_NOW"
+DEFAULTS=("${AR4_RUN[@]}" --method "$DEF2_24_NOW"
           "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
 DEFAULTS_1203=("${AR4_RUN[@]}" --method "DiLoCoX defaults inner 4e-3 density 1/32=$DLX $D32"
                "${SYNC_ROW[@]}" "${AR_OTHERS[@]}")
@@ -340,7 +342,7 @@ case "$STUDY" in
     METHODS=("${BASE[@]}" --method "$NOW" --method "$DF_NAME=$DF" --compare "$DF_NAME") ;;
   outer-lr-final)  # C = 2: the defaults at outer lr 2.4 (the 4x model's best) beside their own 1.7
     METHODS=("${AR4[@]}" --method "$DEF2_NOW" --compare "${DEF2_NAME/H ramp 600/H ramp 1000}"
-             --method "$(now "${DEF2_NAME/outer lr 1.7/outer lr 2.4}" "$DEF2 --dilocox-outer-lr 2.4")") ;;
+             --method "$DEF2_24_NOW") ;;
   clusters-final-average)  # C = 4: the end's rounds applied as the replicas' average
     METHODS=("${AR4[@]}"
              --method "$O31F_NAME=$O31F" --compare "$O31F_NAME" --method "$DEF4_NAME=$DEF4") ;;

@@ -58,8 +58,8 @@ EVAL_AND_LOGGING_ARGS=(
 # The paper's DiLoCoX recipe, not the product defaults: its one-step delay applies a round's
 # average at the next boundary (overlap 125 = H), DiLoCo's outer Nesterov 0.7 / 0.9 at H = 125 from
 # the first round (no H ramp, no outer lr warm-up), and rank-8 8-bit low-rank factors. The defaults
-# (H ramped from 1 over 1,000 iterations, the average landing one step in, outer SGD 1.7 at 2 clusters warmed up
-# from 1 over 600 iterations, top-k 2-bit) were chosen at H = 10 on a 1M-parameter model
+# (H ramped from 1 over 1,000 iterations, the average landing one step in, outer SGD 2.4 at 2 clusters warmed up
+# from 1 over 600 iterations, top-k 2-bit) were chosen at H = 10 on 1.1M and 5.8M-parameter models
 # (docs/convergence.md) and are not measured at this size; drop the last five lines to run them
 # (the planner below shows that a round's exchange would still hide inside one step here).
 DILOCOX_ARGS=(
