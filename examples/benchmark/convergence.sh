@@ -21,6 +21,8 @@
 #   STUDY=final-average SEEDS=1 bash examples/benchmark/convergence.sh  # the end's rounds as the replicas' average
 #   STUDY=h5 SEEDS=1 bash examples/benchmark/convergence.sh  # H 5 at C = 2
 #   STUDY=outer-lr-final SEEDS=1 bash examples/benchmark/convergence.sh  # the defaults at outer lr 2.4
+#   STUDY=sync-final CLUSTERS=4 SEEDS=2,3 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # blocking fp32 DiLoCo, more seeds
+#   STUDY=size-sync-final SEEDS=2,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
 #   STUDY=size-final-average SEEDS=1 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=size-defaults SEEDS=2,1,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
@@ -340,6 +342,15 @@ case "$STUDY" in
       *) echo "STUDY=$STUDY: ramp-final runs at CLUSTERS 2 or 4, size-ramp-final at 2; got CLUSTERS=$CLUSTERS" >&2; exit 2 ;;
     esac
     METHODS=("${BASE[@]}" --method "$NOW" --method "$DF_NAME=$DF" --compare "$DF_NAME") ;;
+  sync-final|size-sync-final)  # the defaults against blocking fp32 DiLoCo over seeds, at C = 4
+    # (CLUSTERS=4 OUT=runs/convergence/c4) or on the larger model (LAYERS=6 HIDDEN=256 ITERS=1400
+    # OUT=runs/convergence/size4x), each with AllReduce at its best lr
+    case "$STUDY/$CLUSTERS" in
+      sync-final/4) METHODS=("${AR4[@]}" --method "$DEF4_NOW" "${SYNC_ROW[@]}") ;;
+      size-sync-final/2) METHODS=("${AR2[@]}" --method "$DEFX_NOW"
+                                  --method "sync fp32 inner 2e-3=$SYNC_FP32" --compare "sync fp32 inner 2e-3") ;;
+      *) echo "STUDY=$STUDY: sync-final runs at CLUSTERS 4, size-sync-final at 2; got CLUSTERS=$CLUSTERS" >&2; exit 2 ;;
+    esac ;;
   outer-lr-final)  # C = 2: the defaults at outer lr 2.4 (the 4x model's best) beside their own 1.7
     METHODS=("${AR4[@]}" --method "$DEF2_NOW" --compare "${DEF2_NAME/H ramp 600/H ramp 1000}"
              --method "$DEF2_24_NOW") ;;
@@ -359,7 +370,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, outer-lr-final, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, size, size-ramp-final, size-sync, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, outer-lr-final, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, sync-final, size, size-ramp-final, size-sync, size-sync-final, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
