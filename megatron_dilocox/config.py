@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-SYNC_MODES = ("sync", "delay", "eager", "delay-naive")
+SYNC_MODES = ("sync", "delay", "eager")
 CODECS = ("none", "quantize", "lowrank", "lowrank-quantize", "topk")
 """``--dilocox-compression`` choices; the wire header numbers them in this order (append only)."""
 QUANT_BITS = {"quantize": (8, 4), "lowrank-quantize": (8, 4), "topk": (2, 3, 4)}
@@ -69,7 +69,7 @@ class DiLoCoXConfig:
     sync_mode: str = field(default="delay", metadata={"choices": SYNC_MODES})
     """delay: one-step-delay overlap, the replica trains on from where it is while the average is
     on its way; eager: the same overlap, restart from base plus 1/C of the fresh local progress;
-    sync: blocking DiLoCo; delay-naive: ablation that drops fresh local progress (unstable).
+    sync: blocking DiLoCo.
 
     ``sync``: plain DiLoCo, average and apply this round's pseudo-gradient before training on.
     ``delay``: the replica trains on from where it is (its own fresh progress kept) while the
@@ -78,8 +78,7 @@ class DiLoCoXConfig:
     its fresh progress (the part of the coming average it already knows); better than ``delay``
     when the average lands only at the next boundary, worse when it lands within a step or two:
     the replica's first steps after the boundary start from a point it never trained at
-    (docs/convergence.md). ``delay-naive``: unstable with the default outer settings, never use
-    it for real runs."""
+    (docs/convergence.md)."""
 
     overlap_steps: int | None = None
     """delay/eager: apply a round's average this many inner steps into the next round (the
@@ -147,7 +146,7 @@ class DiLoCoXConfig:
     @property
     def landing(self) -> int | None:
         """Inner steps into a round at which the previous round's average is applied, or None
-        where it is applied at the boundary (``sync``, ``delay-naive``, adaptive H by default);
+        where it is applied at the boundary (``sync``, adaptive H by default);
         the training loop lands it at the boundary as well when this is not below the round's H."""
         if self.sync_mode not in ("delay", "eager"):
             return None

@@ -23,7 +23,7 @@ from megatron_dilocox.payload import HEADER_BYTES, topk_bytes
 from expected_bytes import int8_flush_bytes
 from launch import run_forked
 
-MODES = ("sync", "delay", "eager", "delay-naive")
+MODES = ("sync", "delay", "eager")
 SHAPES = [(5, 7), (13,), (3, 4, 2), (129,)]
 PAYLOAD = sum(math.prod(s) for s in SHAPES) * 4  # fp32 bytes of one pseudo-gradient
 TOPK_PAYLOAD = HEADER_BYTES + topk_bytes(PAYLOAD // 4, 64, 0.1, 2)  # one round of topk_reducer()
@@ -419,7 +419,7 @@ def test_overlap_steps_needs_an_overlapping_mode_and_a_step():
         config("eager", overlap_steps=0).validate()
     # When it lands: the flag, else one step into the round; at the boundary without an overlap
     # to land in, and by default with adaptive H (which sizes whole rounds to the exchange).
-    assert [config(m).landing for m in MODES] == [None, DEFAULT_OVERLAP_STEPS, DEFAULT_OVERLAP_STEPS, None]
+    assert [config(m).landing for m in MODES] == [None, DEFAULT_OVERLAP_STEPS, DEFAULT_OVERLAP_STEPS]
     assert config("delay", overlap_steps=H).landing == H
     assert config("delay", max_local_steps=2 * H).landing is None
     assert config("delay", max_local_steps=2 * H, overlap_steps=2).landing == 2
@@ -440,7 +440,7 @@ def test_sync_bytes_only_at_boundaries(ranks):
         assert (res["bytes"], res["calls"]) == (ROUNDS * PAYLOAD, ROUNDS)  # one allreduce a round
 
 
-@pytest.mark.parametrize("mode", ["delay", "eager", "delay-naive"])
+@pytest.mark.parametrize("mode", ["delay", "eager"])
 def test_delay_bytes_one_payload_per_round_and_finish_drains(ranks, mode):
     for res in (rank["modes"][mode] for rank in ranks):
         for r, rnd in enumerate(res["rounds"]):

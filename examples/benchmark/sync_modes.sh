@@ -18,10 +18,10 @@ declare -A MODE_ARGS=(
   [allreduce]=""
   [sync]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode sync"
   [delay]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode delay"
-  [delay-naive]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode delay-naive"
+  [eager]="--dilocox --dilocox-local-steps $H --dilocox-sync-mode eager"
 )
 TABLE=()
-for mode in sync delay delay-naive allreduce; do
+for mode in sync delay eager allreduce; do
   for seed in $SEEDS; do
     echo "> $mode, seed $seed"
     rm -f "$OUT/$mode-$seed.jsonl"

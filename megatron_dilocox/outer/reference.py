@@ -26,7 +26,7 @@ class ReferenceDiLoCo:
     Args:
         init: initial parameters, identical for every replica.
         clusters: number of replicas C.
-        mode: "sync", "delay", "eager" or "delay-naive".
+        mode: "sync", "delay" or "eager".
         lr, momentum, nesterov: outer SGD settings.
         compressors: one single-cluster compressed reducer per replica (``compressor([flat],
             None) -> [decoded]``, error feedback inside it, its ``residual`` read after each
@@ -41,7 +41,7 @@ class ReferenceDiLoCo:
 
     def __init__(self, init, clusters, mode, lr, momentum, nesterov, compressors=None, keep_unsent=False,
                  flush=None, lr_at=None, final_average=True):
-        assert mode in ("sync", "delay", "eager", "delay-naive")
+        assert mode in ("sync", "delay", "eager")
         assert not (keep_unsent or flush) or compressors, "keep_unsent and flush need compressors"
         self.mode, self.clusters = mode, clusters
         self.compressors, self.keep_unsent, self.flush = compressors, keep_unsent, flush

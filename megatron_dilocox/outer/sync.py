@@ -33,8 +33,6 @@ Modes at boundary t:
   holds exactly round t+1's progress) and trains on the average for the rest of the round: the
   average is tau steps late instead of H (Streaming DiLoCo's overlap of tau inner steps,
   Douillard et al. 2025, arXiv 2501.18512).
-* ``delay-naive`` (ablation): as ``delay`` but ``params = round_start = base`` (the fresh
-  progress reaches the model only through the stale average; unstable with lr 0.7 / m 0.9).
 
 Non-finite pseudo-gradients: the reduced ``g`` is checked with :func:`all_finite` before it is
 applied. Any NaN/Inf sent by any cluster makes the fp32 sum non-finite, and the reduced tensor is
@@ -211,7 +209,7 @@ class OuterSync:
             self.base = self._state_tensor(torch.cat([p.detach().reshape(-1) for p in self.params]), copy=False)
         self.base_views = self.views(self.base)
         # The share of its fresh delta a replica carries into the next round (delay modes that
-        # keep it); sync and delay-naive always start a round from base and share its buffer.
+        # keep it); sync always starts a round from base and shares its buffer.
         self._carry = {"delay": 1.0, "eager": 1.0 / config.clusters}.get(config.sync_mode)
         own_start = self._carry or unsent is not None
         self.round_start = self._state_tensor(self.base, copy=True) if own_start else self.base

@@ -27,7 +27,7 @@ from megatron_dilocox.config import CompressionConfig, DiLoCoXConfig
 from megatron_dilocox.planner.layout import Layout
 from megatron_dilocox.planner.shapes import ModelShape
 
-OUTER_BYTES_PER_PARAM = {"delay": 20, "eager": 20, "delay-naive": 20, "sync": 16}
+OUTER_BYTES_PER_PARAM = {"delay": 20, "eager": 20, "sync": 16}
 """Peak outer-state bytes per parameter of the outer shard, as ``outer/sync.py`` holds it: fp32
 base and Nesterov momentum (8); in delay modes the round start (4) and the pseudo-gradient in
 flight (4) live through the round, and at a boundary the new pseudo-gradient (4) meets the
