@@ -40,15 +40,16 @@ class DiLoCoXConfig:
     local_steps: int = 10
     """H: inner steps per outer round.
 
-    The other defaults were chosen and measured at 10 (docs/convergence.md). With adaptive H (:attr:`max_local_steps`) the first round's H."""
+    The other defaults were chosen and measured at 10 (docs/convergence.md). With adaptive H
+    (:attr:`max_local_steps`) the first round's H."""
 
     local_steps_ramp_iters: int | None = None
     """Grow H from 1 to --dilocox-local-steps over the first this many iterations (0: off;
     default 1000, with adaptive H 0).
 
     The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
-    ``min(H, 1 + H * i // N)``, so the first rounds, where the replicas would drift apart most
-    while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
+    ``min(H, max(min_local_steps, 1 + H * i // N))``, so the first rounds, where the replicas
+    would drift apart most while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
     AllReduce halved and the seed spread went; on 1,400-iteration runs 1000 ended lower still in
     every seed at 2 and 4 clusters, and became the default). The ramp adds about
     ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, 193 at N = 1000, H = 10), each on
@@ -56,7 +57,9 @@ class DiLoCoXConfig:
     :attr:`ramp_iters`."""
 
     min_local_steps: int | None = None
-    """Lower bound of an adaptive H."""
+    """The shortest round: the H ramp's rounds and an adaptive H stay at or above it (default 1).
+
+    Above 1 the ramp skips its shortest rounds, which cost the most per step on a slow link."""
 
     max_local_steps: int | None = None
     """Adapt H after every round (within these bounds) so that one round's exchange fits inside
@@ -166,7 +169,8 @@ class DiLoCoXConfig:
         """H of the round that starts after ``iteration`` inner steps (:attr:`ramp_iters`)."""
         if iteration >= self.ramp_iters:
             return self.local_steps
-        return min(self.local_steps, 1 + self.local_steps * iteration // self.ramp_iters)
+        ramped = 1 + self.local_steps * iteration // self.ramp_iters
+        return min(self.local_steps, max(self.min_local_steps or 1, ramped))
 
     @property
     def peak_outer_lr(self) -> float:
@@ -217,7 +221,12 @@ class DiLoCoXConfig:
                 raise ValueError("--dilocox-max-local-steps adapts H to hide communication, which only the "
                                  "delay modes overlap; --dilocox-sync-mode sync blocks on it")
         elif self.min_local_steps is not None:
-            raise ValueError("--dilocox-min-local-steps needs --dilocox-max-local-steps (which turns adaptive H on)")
+            if not self.ramp_iters:
+                raise ValueError("--dilocox-min-local-steps bounds the H ramp or adaptive H: it needs "
+                                 "--dilocox-local-steps-ramp-iters > 0 or --dilocox-max-local-steps")
+            if not 1 <= self.min_local_steps <= self.local_steps:
+                raise ValueError("need 1 <= --dilocox-min-local-steps <= --dilocox-local-steps, "
+                                 f"got {self.min_local_steps}, {self.local_steps}")
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(
                 f"--dilocox-sync-mode must be one of {', '.join(SYNC_MODES)}, got {self.sync_mode!r}"

@@ -84,6 +84,16 @@ def test_config_defaults_are_valid():
     assert adaptive.ramp_iters == 0 and adaptive.local_steps_at(0) == 10
 
 
+def test_min_local_steps_floors_the_ramp():
+    """The ramp's rounds stay at or above --dilocox-min-local-steps; from where the ramp passes it,
+    and after the ramp, nothing changes."""
+    plain, floored = DiLoCoXConfig(), DiLoCoXConfig(min_local_steps=3)
+    floored.validate()
+    its = (0, 99, 100, 199, 200, 299, 300, 650, 999, 1000, 5000)
+    assert [plain.local_steps_at(i) for i in its] == [1, 1, 2, 2, 3, 3, 4, 7, 10, 10, 10]
+    assert [floored.local_steps_at(i) for i in its] == [3, 3, 3, 3, 3, 3, 4, 7, 10, 10, 10]
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
@@ -95,6 +105,8 @@ def test_config_defaults_are_valid():
         ({"outer_momentum": 1.0}, r"--dilocox-outer-momentum must be in \[0, 1\)"),
         ({"outer_momentum": -0.1}, r"--dilocox-outer-momentum must be in \[0, 1\)"),
         ({"outer_timeout_s": 0.0}, "--dilocox-outer-timeout-s must be > 0"),
+        ({"min_local_steps": 2, "local_steps_ramp_iters": 0}, "--dilocox-min-local-steps bounds the H ramp"),
+        ({"min_local_steps": 11}, r"need 1 <= --dilocox-min-local-steps <= --dilocox-local-steps, got 11, 10"),
     ],
 )
 def test_config_validation_names_the_flag(kwargs, message):

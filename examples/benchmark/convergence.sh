@@ -21,6 +21,7 @@
 #   STUDY=final-average SEEDS=1 bash examples/benchmark/convergence.sh  # the end's rounds as the replicas' average
 #   STUDY=h5 SEEDS=1 bash examples/benchmark/convergence.sh  # H 5 at C = 2
 #   STUDY=outer-lr-final SEEDS=1 bash examples/benchmark/convergence.sh  # the defaults at outer lr 2.4
+#   STUDY=ramp-floor SEEDS=1 bash examples/benchmark/convergence.sh  # the H ramp from rounds of 2 steps
 #   STUDY=sync-final CLUSTERS=4 SEEDS=2,3 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh  # blocking fp32 DiLoCo, more seeds
 #   STUDY=size-sync-final SEEDS=2,3 LAYERS=6 HIDDEN=256 ITERS=1400 OUT=runs/convergence/size4x bash examples/benchmark/convergence.sh
 #   STUDY=clusters-final-average CLUSTERS=4 SEEDS=1 OUT=runs/convergence/c4 bash examples/benchmark/convergence.sh
@@ -52,7 +53,7 @@ if [ "$STUDY" = pilot ]; then ORDER=(); else ORDER=(--shuffle-seed 1); fi
 DATA=${DATA:-data/stdlib_$([ "$STUDY" = pilot ] && echo big || echo shuffled)}
 # The levers and lr studies add their runs to the defaults study's folder and table. Its records
 # on the pinned corpus (constraints-cpu.txt) are in defaults2; defaults/ holds the earlier corpus's.
-case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5|outer-lr-final) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
+case "$STUDY" in defaults|levers|lr|early|ramp|ramp-length|ramp-levers|outer-lr|outer-warmup|outer-warmup-2|ef-lr|ef-lr-seeds|final-average|h5|outer-lr-final|ramp-floor) OUT=${OUT:-runs/convergence/defaults2} ;; *) OUT=${OUT:-runs/convergence/$STUDY} ;; esac
 SEEDS=${SEEDS:-1,2,3}
 GBS=${GBS:-32}                 # global batch in sequences of 128 tokens, the same for every method
 ITERS=${ITERS:-$((1400 * 32 / GBS))}  # 1400 x 32 x 128 = 5.7M tokens: 5 per parameter of the 1.14M-parameter model
@@ -351,6 +352,14 @@ case "$STUDY" in
                                   --method "sync fp32 inner 2e-3=$SYNC_FP32" --compare "sync fp32 inner 2e-3") ;;
       *) echo "STUDY=$STUDY: sync-final runs at CLUSTERS 4, size-sync-final at 2; got CLUSTERS=$CLUSTERS" >&2; exit 2 ;;
     esac ;;
+  ramp-floor)  # the defaults with the H ramp's shortest round 2 (its one-step rounds cost the most
+    # on a slow link), at C = 2 or 4 (OUT=runs/convergence/c4)
+    case "$CLUSTERS" in
+      2) NOW="$DEF2_24_NOW" ;;
+      4) NOW="$DEF4_NOW" ;;
+      *) echo "STUDY=ramp-floor runs at CLUSTERS 2 or 4, got $CLUSTERS" >&2; exit 2 ;;
+    esac
+    METHODS=("${AR4[@]}" --method "$NOW" --compare "${NOW%%=*}" --method "${NOW%%=*} shortest round 2=${NOW#*=} --dilocox-min-local-steps 2") ;;
   outer-lr-final)  # C = 2: the defaults at outer lr 2.4 (the 4x model's best) beside their own 1.7
     METHODS=("${AR4[@]}" --method "$DEF2_NOW" --compare "${DEF2_NAME/H ramp 600/H ramp 1000}"
              --method "$DEF2_24_NOW") ;;
@@ -370,7 +379,7 @@ case "$STUDY" in
              --method "${O31_NAME/ H ramp 600/}=$O31 --dilocox-local-steps-ramp-iters 0") ;;
   batch)  # the acceptance comparison of 2026-12-03 at another global batch, e.g. GBS=64 OUT=runs/convergence/gbs64
     METHODS=("${DEFAULTS_1203[@]}") ;;
-  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, outer-lr-final, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, sync-final, size, size-ramp-final, size-sync, size-sync-final, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
+  *) echo "STUDY must be pilot, defaults, levers, lr, early, ramp, ramp-length, ramp-levers, outer-lr, outer-warmup, outer-warmup-2, ef-lr, ef-lr-seeds, final-average, h5, outer-lr-final, clusters, clusters-outer-lr, clusters-seeds, clusters-levers, clusters-ef-lr, clusters-final-average, clusters-h, clusters-h-final, clusters-ramp, ramp-final, ramp-floor, sync-final, size, size-ramp-final, size-sync, size-sync-final, size-lr, size-ef-lr, size-final-average, size-defaults, size-clusters or batch, got $STUDY" >&2; exit 2 ;;
 esac
 
 # Extra arguments go to the tool, e.g. --report (the table of the runs finished so far) or --dry-run.
