@@ -49,9 +49,9 @@ class DiLoCoXConfig:
 
     The round that starts at iteration i runs :meth:`local_steps_at` (i) inner steps:
     ``min(H, max(min_local_steps, 1 + H * i // N))``, so the first rounds, where the replicas
-    would drift apart most while the loss falls fastest, are short (docs/convergence.md: with 600 at H = 10 the gap to
-    AllReduce halved and the seed spread went; on 1,400-iteration runs 1000 ended lower still in
-    every seed at 2 and 4 clusters, and became the default). The ramp adds about
+    would drift apart most while the loss falls fastest, are short (docs/convergence.md: with 600
+    at H = 10 the gap to AllReduce halved and the seed spread went; on 1,400-iteration runs 1000
+    ended lower still in every seed at 2 and 4 clusters, and became the default). The ramp adds about
     ``N / H * (1/2 + 1/3 + ... + 1/H)`` rounds (116 at N = 600, 193 at N = 1000, H = 10), each on
     a slow link costing a round's fixed overhead on top of its step (docs/benchmarks.md). None:
     :attr:`ramp_iters`."""
@@ -98,9 +98,9 @@ class DiLoCoXConfig:
     Without momentum, warmed up from 1 (:attr:`outer_lr_warmup_iters`), by measurement at H = 10
     with the H ramp (docs/convergence.md): the replicas' averaged progress is shorter than
     either's where they disagree, the more so the more replicas are averaged, and a longer step
-    restores it. The best measured: 2.4 at C = 2 (1.2% below 1.7 over three seeds on a 1.1M
-    model, 2.5% on a 5.8M one, seed 1), 3.1-4.0 at C = 4 (3.1 2.5% below 1.7 over three seeds); the
-    default passes through 2.4 and 3.1 and is 1 (the replica itself) at C = 1, an extrapolation
+    restores it. The best measured: 2.4 at C = 2 (1.1% below 1.7 over three seeds on a 1.1M
+    model, 2.5% on a 5.8M one, seed 1), 3.1-4.0 at C = 4 (3.1 2.5% below 1.7 over three seeds);
+    the default passes through 2.4 and 3.1 and is 1 (the replica itself) at C = 1, an extrapolation
     above 4 clusters that saturates at 3.8. Without the warm-up 1.7 lost from the first rounds
     on. Outer momentum lost (DiLoCo's Nesterov 0.7 / 0.9 stalled). None: :attr:`peak_outer_lr`."""
 

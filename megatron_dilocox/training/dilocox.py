@@ -94,8 +94,8 @@ class DiLoCoX:
         """SHA-256 of this rank's global parameters and the outer and codec settings: equal on
         the ranks holding the same shard in every cluster, round after round (checked by the link)."""
         c = self.config
-        settings = (c.sync_mode, c.local_steps, c.ramp_iters, c.min_local_steps, c.landing, c.peak_outer_lr, c.outer_lr_warmup_iters,
-                    c.outer_momentum, c.use_nesterov,
+        settings = (c.sync_mode, c.local_steps, c.ramp_iters, c.min_local_steps, c.landing, c.peak_outer_lr,
+                    c.outer_lr_warmup_iters, c.outer_momentum, c.use_nesterov,
                     self.compressor._setup() if self.compressor is not None else None)
         digest = hashlib.sha256(repr(settings).encode())
         digest.update(self.sync.base.detach().cpu().numpy())  # the array's own buffer, no copy on the CPU
