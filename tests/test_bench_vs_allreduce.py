@@ -50,6 +50,10 @@ def _data(ds, tmp_path) -> list[str]:
      "--compression-args takes only codec flags"),
     (["--rate", "10mbit", "--out", "o", "--local-steps-ramp-iters", "-1", "--", *PRETRAIN],
      "--local-steps-ramp-iters must be >= 0, got -1"),
+    (["--rate", "10mbit", "--out", "o", "--min-local-steps", "11", "--", *PRETRAIN],
+     "--min-local-steps must be in 1..--local-steps 10, got 11"),
+    (["--rate", "10mbit", "--out", "o", "--min-local-steps", "2", "--local-steps-ramp-iters", "0", "--", *PRETRAIN],
+     "--min-local-steps bounds the H ramp"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -59,9 +63,10 @@ def test_argument_errors(args, message, capsys):
     assert last.startswith("bench_vs_allreduce.py: error:") and message in last, last
 
 
-def test_ramp_and_outer_settings_reach_every_dilocox_method_only_projections_at_fixed_h():
+def test_ramp_floor_and_outer_settings_reach_every_dilocox_method_only_projections_at_fixed_h():
     args = bench.build_parser().parse_args(["--rate", "10mbit", "--out", "o", "--local-steps", "5",
-                                            "--local-steps-ramp-iters", "10", "--outer-lr", "1.4", "--", *PRETRAIN])
+                                            "--local-steps-ramp-iters", "10", "--min-local-steps", "2",
+                                            "--outer-lr", "1.4", "--", *PRETRAIN])
     cfg = dict(pretrain=PRETRAIN, iters=20, gbs=8, compression=[], shaped={"dilocox-sync": 10})
     b = Bench(args, cfg, None)
     for method in METHODS:
@@ -71,6 +76,7 @@ def test_ramp_and_outer_settings_reach_every_dilocox_method_only_projections_at_
         if dilocox:  # a projected method at a fixed H (steady rounds)
             want = "0" if method == "dilocox-sync" else "10"
             assert flag_value(flags, "--dilocox-local-steps-ramp-iters") == want, method
+            assert flag_value(flags, "--dilocox-min-local-steps") == (None if method == "dilocox-sync" else "2")
             assert flag_value(flags, "--dilocox-outer-lr") == "1.4"
 
 

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=int, default=10, help="H for every DiLoCoX method")
     p.add_argument("--local-steps-ramp-iters", type=int,
                    help="--dilocox-local-steps-ramp-iters for every DiLoCoX method (default: the product's)")
+    p.add_argument("--min-local-steps", type=int,
+                   help="--dilocox-min-local-steps (the H ramp's shortest round) for every ramped DiLoCoX method "
+                        "(default: the product's, 1)")
     p.add_argument("--outer-lr", type=float, help="--dilocox-outer-lr (default: the product's)")
     p.add_argument("--outer-momentum", type=float,
                    help="--dilocox-outer-momentum (default: the product's); 0 = plain outer SGD, no Nesterov")
@@ -132,6 +135,10 @@ def check_args(parser, args) -> dict:
         parser.error(f"--global-batch-size {gbs} must be divisible by --clusters {args.clusters}")
     if args.local_steps_ramp_iters is not None and args.local_steps_ramp_iters < 0:
         parser.error(f"--local-steps-ramp-iters must be >= 0, got {args.local_steps_ramp_iters}")
+    if args.min_local_steps is not None and not 1 <= args.min_local_steps <= args.local_steps:
+        parser.error(f"--min-local-steps must be in 1..--local-steps {args.local_steps}, got {args.min_local_steps}")
+    if args.min_local_steps is not None and args.local_steps_ramp_iters == 0:
+        parser.error("--min-local-steps bounds the H ramp: it needs --local-steps-ramp-iters > 0")
     if args.compute_only_repeats < 1:
         parser.error(f"--compute-only-repeats must be >= 1, got {args.compute_only_repeats}")
     if args.eval_interval < 1 or args.eval_iters < 1:
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
     setup = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                  cpus=os.cpu_count(), load_before=os.getloadavg(), rate=args.rate, clusters=args.clusters,
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
-                 local_steps_ramp_iters=args.local_steps_ramp_iters,
+                 local_steps_ramp_iters=args.local_steps_ramp_iters, min_local_steps=args.min_local_steps,
                  overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                  compression_args=args.compression_args, seed=args.seed,
                  compute_only_repeats=args.compute_only_repeats,

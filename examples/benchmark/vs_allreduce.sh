@@ -16,11 +16,12 @@ RATE=${RATE:-10mbit}
 ITERS=${ITERS:-300}
 H=${H:-10}
 # The product's defaults unless given: H ramped from 1 over the first 1,000 iterations (the
-# projected uncompressed rows run without it), outer SGD lr 1.7 (at 2 clusters) without momentum warmed up from 1
-# over 600 iterations, `delay` with the average landing one step into the next round, topk
-# (density 1/32, 2-bit values, error feedback) with the residual flushed at the end
-# (docs/convergence.md). E.g. OVERLAP=eager CODEC="--dilocox-compression
-# quantize --dilocox-quant-bits 4 --dilocox-error-feedback" for the setting of the 2026-11-30 runs.
+# projected uncompressed rows run without it), outer SGD lr 2.4 (at 2 clusters) without momentum
+# warmed up from 1 over 600 iterations, `delay` with the average landing one step into the next
+# round, topk (density 1/32, 2-bit values, error feedback) with the residual flushed at the end
+# (docs/convergence.md). OUTER takes more harness flags, e.g. OUTER="--min-local-steps 2" for
+# the H ramp from rounds of 2 steps; OVERLAP=eager CODEC="--dilocox-compression quantize
+# --dilocox-quant-bits 4 --dilocox-error-feedback" for the setting of the 2026-11-30 runs.
 OUTER=${OUTER:-}
 OVERLAP=${OVERLAP:-delay}
 CODEC=${CODEC:-}

@@ -70,8 +70,10 @@ class Bench:
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
             # A projected method runs at a fixed H: its throughput is taken from steady rounds.
-            ramp = 0 if method in self.cfg["shaped"] else a.local_steps_ramp_iters
-            for flag, value in (("--dilocox-local-steps-ramp-iters", ramp),
+            projected = method in self.cfg["shaped"]
+            ramp = 0 if projected else a.local_steps_ramp_iters
+            floor = None if projected else a.min_local_steps
+            for flag, value in (("--dilocox-local-steps-ramp-iters", ramp), ("--dilocox-min-local-steps", floor),
                                 ("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
                 if value is not None:
                     flags += [flag, str(value)]
