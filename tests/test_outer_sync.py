@@ -528,6 +528,22 @@ def test_worker_gets_a_private_delta():
 
 
 @pytest.mark.parametrize("mode", ["sync", "delay"])
+def test_finish_counts_the_flush_as_time_training_waited(mode):
+    """The flush runs on the training thread after the last round: the drain's wait_s holds it
+    (a benchmark adds the drain's wait to the training time)."""
+    params = toy_init()
+    residual = [torch.ones(sum(math.prod(s) for s in SHAPES))]
+    sync = OuterSync(params, None, config(mode, clusters=1), unsent=lambda: residual[0],
+                     flush=lambda: residual[0], flush_reducer=slow_reducer(ByteCounter(), 0.3))
+    local_steps(params, toy_data(0), H)
+    sync.step(H)
+    stats = sync.finish()
+    sync.close()
+    assert stats.wait_s >= 0.3 and stats.comm_s >= 0.3
+    assert not residual[0].any()  # sent
+
+
+@pytest.mark.parametrize("mode", ["sync", "delay"])
 def test_each_reduction_gets_the_lr_scale_of_its_launch(mode):
     """A reduction runs while the next round trains, so its lr_scale is the one given at the
     boundary that launched it; none is handed over when none is given."""

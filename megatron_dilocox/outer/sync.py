@@ -323,6 +323,8 @@ class OuterSync:
         residual too). Both are applied as they are with ``averages_at_end`` (the config's
         ``final_average``), else as outer steps. Returns the stats of what it sent and applied,
         or None when nothing was (``sync`` without ``flush``, or a round that already landed).
+        Its ``wait_s`` is all the time it held training up: the in-flight reduction's wait and
+        the flush, which runs on the training thread.
         """
         result, wait_s = self._wait()
         skipped = False
@@ -338,7 +340,8 @@ class OuterSync:
             (finite,) = self.agree([all_finite(mean)])
             skipped = not self._apply(mean, finite, plain) or skipped
             owed.zero_()  # sent: a checkpoint saved after this must not send it again
-            nbytes, comm_s = nbytes + self.counter.bytes - sent, comm_s + time.perf_counter() - start
+            flush_s = time.perf_counter() - start
+            nbytes, comm_s, wait_s = nbytes + self.counter.bytes - sent, comm_s + flush_s, wait_s + flush_s
         if self.config.sync_mode != "sync" or self.unsent is not None or owed is not None:
             self.round_start.copy_(self.base)
             self._write_params(self.base)

@@ -36,7 +36,7 @@ def _curve(records: list[dict], time_of) -> list[dict]:
 
 def measured_figures(path: Path) -> dict:
     s, records = summarize(str(path)), read_records(path)
-    drain = sum(r["wait_s"] for r in records if r.get("drain"))  # last round's in-flight reduction
+    drain = sum(r["wait_s"] for r in records if r.get("drain"))  # the last round's reduction and the flush
     train, wall = s["train_s"] + drain, s["wall_s"] + drain
     curve = _curve(records, lambda t: t["train_s"])
     curve[-1]["time_s"] = train
