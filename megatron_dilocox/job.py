@@ -183,7 +183,8 @@ def run(run_config: RunConfig) -> None:
             trainer.dilocox.stop()
         raise
     if backend.on_cuda():
-        trainer.logger.print(f"> peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        trainer.logger.memory(training.train_iters, torch.cuda.max_memory_allocated(),
+                              torch.cuda.host_memory_stats().get("allocated_bytes.peak"))
     if run_config.logging.metrics_file:
         trainer.logger.print(f"> metrics written to {os.path.abspath(run_config.logging.metrics_file)}")
     trainer.logger.close()

@@ -64,6 +64,9 @@ def test_cluster_jobs_train_exactly_as_one_world(tmp_path):
     assert any(r.get("bytes_sent") for r in world) and any("val_loss" in r for r in world)
     assert [r["val_loss"] for r in cluster0 if "val_loss" in r] == [r["val_loss"] for r in world if "val_loss" in r]
     assert "cross-cluster bytes between boundaries: 0 |" in out
+    # Both clusters end with bit-identical global parameters (their last stages' fingerprints).
+    ends = [next(r["global_sha256"] for r in records if r.get("drain")) for records in (cluster0, cluster1)]
+    assert ends[0] == ends[1] and len(ends[0]) == 64
     # TensorBoard and W&B get every round's fields under "dilocox/", the drain's under
     # "dilocox/drain/", as the metrics file has them (TensorBoard in float32).
     board, rounds = read_tensorboard(tmp_path / "tb"), [r for r in world if "outer_step" in r]

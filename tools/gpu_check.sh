@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# CUDA-path check on one GPU, a minute: vanilla bf16 pretraining of a 12-layer, hidden-1024 GPT
-# on one rank with NCCL; prints loss, tokens/s and peak memory (mock data: needs no dataset).
-# DiLoCoX needs two ranks, and two ranks cannot share one GPU here: NCCL refuses duplicate
-# devices, and gloo has no coalesced all-reduce for CUDA tensors (which megatron DDP uses).
-# Usage: bash tools/gpu_check.sh [python]
+# The CUDA path on one GPU in one prepared run (tools/gpu_check.py says what it measures).
+#
+#   bash tools/gpu_check.sh --prepare     # once, where PyPI is reachable: into gpu_wheels/, the wheels
+#                                         # a CUDA PyTorch image lacks (megatron-core, torchft and what
+#                                         # it imports), for Python 3.12 (PYTHON_VERSION=3.11 for another)
+#   bash tools/gpu_check.sh [FLAGS]       # on the GPU machine, offline: the wheels installed beside the
+#                                         # image's packages (torch with CUDA), then
+#                                         # python tools/gpu_check.py [FLAGS] (--help lists them)
+#
+# PYTHON names the interpreter that holds the image's torch (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${1:-python3}
-OUT=${OUT:-runs/gpu_check}
-mkdir -p "$OUT"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('>', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
-MODEL=(--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --max-position-embeddings 1024
-       --micro-batch-size 8 --global-batch-size 16 --train-iters 60 --lr 3e-4 --lr-warmup-iters 10 --bf16
-       --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --log-interval 20 --eval-interval 60 --eval-iters 2)
-echo "> vanilla, 1 rank, NCCL, bf16"
-"$PY" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${MODEL[@]}" --metrics-file "$OUT/vanilla.jsonl"
-"$PY" tools/compare_runs.py vanilla="$OUT/vanilla.jsonl"
+PY=${PYTHON:-python3}
+WHEELS=gpu_wheels
+if [ "${1:-}" = --prepare ]; then
+  exec "$PY" tools/gpu_check.py --prepare --wheels "$WHEELS" --python-version "${PYTHON_VERSION:-3.12}"
+fi
+if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+  echo "gpu_check.sh: error: no wheels in $WHEELS/: run 'bash tools/gpu_check.sh --prepare' where PyPI is reachable" \
+       "and bring $WHEELS/ along (megatron-core, torchft and its OpenTelemetry packages, protobuf)" >&2
+  exit 2
+fi
+# The image's Python may itself be a virtual environment (a venv made from it would not see its
+# torch), so the wheels go into a folder of their own, ahead of its packages on PYTHONPATH.
+SITE=${SITE:-/tmp/gpu_check_site}
+"$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
+  --target "$SITE" "$WHEELS"/*.whl
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" tools/gpu_check.py "$@"

@@ -218,16 +218,16 @@ class DiLoCoX:
                           rel_error=last["rel_error"], mean_rank=last["mean_rank"],
                           codec_s=last["encode_s"] + last["decode_s"], residual_ratio=last["residual_ratio"])
 
-    def _record(self, stats: RoundStats, drain: bool, **boundary) -> OuterRound:
-        """The round's record (collective in the cluster: the norm); ``boundary``: the fields
-        only a boundary has, not a drain (``round_compute_s``, ``local_steps``, adaptive H's measurements)."""
+    def _record(self, stats: RoundStats, drain: bool, **extra) -> OuterRound:
+        """The round's record (collective in the cluster: the norm); ``extra``: the fields of a boundary
+        (``round_compute_s``, ``local_steps``, adaptive H's measurements) or of the drain (``global_sha256``)."""
         between = self.audit.cross_cluster_bytes("step", "eval") if self.audit is not None else None
         total = self.audit.cross_cluster_bytes() if self.audit is not None else None
         applied = {f.name: getattr(stats, f.name) for f in fields(AppliedReduction)}
         return OuterRound(**applied, outer_step=stats.outer_step, iteration=stats.iteration,
                           pseudo_grad_norm=self._norm(stats.pseudo_grad_sq), drain=drain,
                           compression=self._codec_round(stats),
-                          cross_cluster_bytes_between_boundaries=between, cross_cluster_bytes=total, **boundary)
+                          cross_cluster_bytes_between_boundaries=between, cross_cluster_bytes=total, **extra)
 
     def step(self, iteration: int, lr_scale: float = 1.0) -> OuterRound:
         """The round boundary after ``iteration``, where the inner lr has decayed to ``lr_scale``
@@ -265,7 +265,7 @@ class DiLoCoX:
         self._mirror_tied_embedding()
         push_to_model(self.optimizer)
         self.sync.close()
-        record = None if stats is None else self._record(stats, drain=True)
+        record = None if stats is None else self._record(stats, drain=True, global_sha256=self._fingerprint().hex())
         self.link.close()
         return record
 

@@ -131,6 +131,19 @@ class MetricsLogger:
         # per tag and step) would keep only one of the two.
         self._record(r.metrics(), prefix="dilocox/drain/" if r.drain else "dilocox/")
 
+    def memory(self, iteration: int, peak_gpu_bytes: int, peak_pinned_bytes: int | None) -> None:
+        """This rank's peak GPU memory (torch's allocator) and peak pinned host memory (torch's
+        caching host allocator, which rounds blocks up to powers of two; None: not reported)."""
+        if not self.is_writer:
+            return
+        pinned = None if peak_pinned_bytes is None else peak_pinned_bytes / 2**30
+        self.print(f"> peak GPU memory: {peak_gpu_bytes / 2**30:.2f} GiB"
+                   + (f", peak pinned host memory: {pinned:.2f} GiB" if pinned is not None else ""))
+        record = dict(iteration=iteration, peak_gpu_memory_gib=peak_gpu_bytes / 2**30)
+        if pinned is not None:
+            record["peak_pinned_host_gib"] = pinned
+        self._record(record)
+
     def close(self):
         if self.metrics_file:
             self.metrics_file.close()

@@ -82,15 +82,21 @@ def _chunk_stages(vp_stage):
     )
 
 
+def uses_transformer_engine() -> bool:
+    """Whether the model is built with Transformer Engine's layer spec: with CUDA, when it imports."""
+    if not on_cuda():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def layer_spec(normalization: str):
-    """Transformer Engine's layer spec with CUDA when it imports, megatron's local one otherwise."""
-    if on_cuda():
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            return get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+    """Transformer Engine's layer spec (:func:`uses_transformer_engine`), megatron's local one otherwise."""
+    if uses_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
     return get_gpt_layer_local_spec(normalization=normalization)
 
 

@@ -64,6 +64,10 @@ class OuterRound(AppliedReduction):
     cross_cluster_bytes: int | None = None
     """All bytes this rank sent across clusters so far, as training records count them; the
     drain's is the run's total (it follows the last training record)."""
+    global_sha256: str | None = None
+    """The drain: SHA-256 (hex) of this rank's final global parameters and outer settings, the
+    fingerprint a cluster-jobs exchange compares every round; equal on the ranks that hold the
+    same shard in every cluster."""
 
     @property
     def codec_fraction(self) -> float | None:
