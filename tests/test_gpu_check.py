@@ -32,16 +32,20 @@ def test_the_memory_record_is_what_the_check_reads(tmp_path):
 
 
 def test_figures_from_metrics_records():
+    timed = {"comm_s": 0.5, "codec_s": 0.1, "wait_s": 0.25}
     records = [{"iteration": 5, "lm_loss": 7.0, "tokens_per_sec": 10.0},  # the warm-up window
                {"iteration": 10, "lm_loss": 6.0, "tokens_per_sec": 40.0},
-               {"outer_step": 1, "drain": False, "bytes_sent": 9, "participants": 2},
+               {"outer_step": 1, "drain": False, "bytes_sent": 0, "participants": 0, **timed},  # nothing landed
+               {"outer_step": 2, "drain": False, "bytes_sent": 9, "participants": 2, **timed},
                {"iteration": 15, "lm_loss": 5.0, "tokens_per_sec": 50.0},
-               {"outer_step": 2, "drain": False, "bytes_sent": 9, "participants": 1},
+               {"outer_step": 3, "drain": False, "bytes_sent": 9, "participants": 1, **timed, "comm_s": 0.7},
                {"iteration": 20, "lm_loss": 4.5, "tokens_per_sec": 20.0},
-               {"outer_step": 2, "drain": True, "bytes_sent": 9, "participants": 2, "global_sha256": "ab"}]
+               {"outer_step": 3, "drain": True, "bytes_sent": 9, "participants": 2, "global_sha256": "ab",
+                **timed, "comm_s": 0.9, "wait_s": 1.0}]
     assert gpu_check.steady_tokens_per_sec(records) == 40.0
     assert gpu_check.losses(records) == (7.0, 4.5)
-    assert gpu_check.rounds(records) == {"rounds": 3, "full": 2, "global_sha256": "ab"}
+    assert gpu_check.rounds(records) == {"rounds": 3, "full": 2, "global_sha256": "ab", "comm_s": 0.7,
+                                         "codec_s": 0.1, "wait_s": 1.5}
     with pytest.raises(ValueError, match="2 logging windows"):
         gpu_check.steady_tokens_per_sec(records[:1])
 

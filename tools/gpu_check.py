@@ -135,7 +135,10 @@ def rounds(records: list[dict]) -> dict:
     applied = [r for r in records if "outer_step" in r and r.get("bytes_sent")]
     drain = next((r for r in records if r.get("drain")), {})
     return dict(rounds=len(applied), full=sum(r["participants"] == 2 for r in applied),
-                global_sha256=drain.get("global_sha256"))
+                global_sha256=drain.get("global_sha256"),
+                comm_s=statistics.median(r["comm_s"] for r in applied) if applied else None,
+                codec_s=statistics.median(r.get("codec_s", 0.0) for r in applied) if applied else None,
+                wait_s=sum(r["wait_s"] for r in applied))
 
 
 def peak_tflops(device_name: str, given: float | None) -> float:
@@ -271,7 +274,7 @@ class Check:
         flags = [*model_flags(size, iters, bf16=self.cuda, global_batch=2 * size.global_batch), "--dilocox",
                  "--dilocox-local-steps", str(self.args.local_steps), "--dilocox-local-steps-ramp-iters", "0",
                  *(["--dilocox-offload-outer-state"] if offload else [])]
-        metrics = self.out / f"dilocox-{'offload' if offload else 'gpu'}.jsonl"
+        metrics = self.out / f"dilocox-{'offloaded' if offload else 'device'}.jsonl"
         cluster1 = metrics.with_suffix(".cluster-1.jsonl")
         for m in (metrics, cluster1):
             m.unlink(missing_ok=True)
@@ -291,6 +294,7 @@ class Check:
                    rounds_both_delivered=min(e["full"] for e in each),
                    same_final_sha256=each[0]["global_sha256"] is not None
                    and each[0]["global_sha256"] == each[1]["global_sha256"],
+                   exchange=[{k: e[k] for k in ("comm_s", "codec_s", "wait_s")} for e in each],
                    peak_gpu_gib=[m[0] for m in mem], peak_pinned_gib=[m[1] for m in mem],
                    planner_gpu_gib=predicted.memory.gpu_total / 2**30,
                    planner_pinned_gib=predicted.memory.host_outer_state / 2**30)
@@ -306,6 +310,9 @@ class Check:
         print(f"  {tokens_s:,.0f} tokens/s{ratio}; {row['rounds']} rounds, {row['rounds_both_delivered']} delivered by "
               f"both clusters, final SHA-256 {'equal' if row['same_final_sha256'] else 'DIFFERENT'}; loss "
               + ", ".join(f"{a:.3f} -> {b:.3f}" for a, b in row["loss"]), flush=True)
+        print("  per round (cluster 0 / 1): exchange " + " / ".join(f"{e['comm_s']:.3f}" for e in each)
+              + " s median, codec " + " / ".join(f"{e['codec_s']:.3f}" for e in each) + " s median; training "
+              "waited " + " / ".join(f"{e['wait_s']:.2f}" for e in each) + " s in all", flush=True)
         print(f"  peak GPU memory {' / '.join(map(gib, row['peak_gpu_gib']))} GiB (planner {row['planner_gpu_gib']:.2f}), "
               f"peak pinned host {' / '.join(map(gib, row['peak_pinned_gib']))} GiB "
               f"(planner's outer state {row['planner_pinned_gib']:.2f})", flush=True)
@@ -334,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=int, default=5, help="DiLoCoX H (default 5)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for a device not in the table")
     p.add_argument("--run-timeout-s", type=float, default=300.0, help="bound on each run (default 300)")
-    p.add_argument("--master-port", type=int, default=29530)
+    p.add_argument("--master-port", type=int, default=29530, help="the vanilla runs' rendezvous port (default 29530)")
     p.add_argument("--skip-tests", action="store_true", help="leave out the CUDA-only tests")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU without CUDA (fp32, no offload, "
                    "no CUDA tests): checks the plumbing, not the GPU")
