@@ -1,4 +1,4 @@
-"""The CUDA path on one GPU, end to end, in one prepared run (about 6 minutes on an H100).
+"""The CUDA path on one GPU, end to end, in one prepared run (sized for a few minutes; not yet timed on a device).
 
     python tools/gpu_check.py --prepare      # where PyPI is reachable: the wheels a CUDA PyTorch image lacks
     bash tools/gpu_check.sh                  # on the GPU machine, offline: installs them, then runs this
