@@ -77,3 +77,13 @@ def test_the_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert dilocox["rounds"] == dilocox["rounds_both_delivered"] == 5
     assert dilocox["same_final_sha256"]
     assert "5 rounds, 5 delivered by both clusters, final SHA-256 equal" in proc.stdout
+
+
+def test_the_script_says_what_it_needs_without_wheels(tmp_path):
+    run = lambda *args: subprocess.run(["bash", "tools/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True,
+                                       env={**worker_env(), "WHEELS": str(tmp_path / "none")}, timeout=120)
+    missing = run()
+    assert missing.returncode == 2
+    assert "no wheels in" in missing.stderr and "bash tools/gpu_check.sh --prepare" in missing.stderr
+    usage = run("--help")
+    assert usage.returncode == 0 and "--prepare" in usage.stdout and "--peak-tflops" in usage.stdout

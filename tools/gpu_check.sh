@@ -8,14 +8,16 @@
 #                                         # image's packages (torch with CUDA), then
 #                                         # python tools/gpu_check.py [FLAGS] (--help lists them)
 #
-# PYTHON names the interpreter that holds the image's torch (default python3).
+# PYTHON names the interpreter that holds the image's torch (default python3), WHEELS the wheels'
+# folder (default gpu_wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-WHEELS=gpu_wheels
-if [ "${1:-}" = --prepare ]; then
-  exec "$PY" tools/gpu_check.py --prepare --wheels "$WHEELS" --python-version "${PYTHON_VERSION:-3.12}"
-fi
+WHEELS=${WHEELS:-gpu_wheels}
+case "${1:-}" in
+  --prepare) exec "$PY" tools/gpu_check.py --prepare --wheels "$WHEELS" --python-version "${PYTHON_VERSION:-3.12}" ;;
+  -h|--help) sed -n '2,12p' "$0" | cut -c3-; exec "$PY" tools/gpu_check.py --help ;;
+esac
 if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
   echo "gpu_check.sh: error: no wheels in $WHEELS/: run 'bash tools/gpu_check.sh --prepare' where PyPI is reachable" \
        "and bring $WHEELS/ along (megatron-core, torchft and its OpenTelemetry packages, protobuf)" >&2
