@@ -3,6 +3,8 @@ the runs' metrics files, and its whole plumbing on the CPU (vanilla and DiLoCoX 
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,19 @@ def test_the_script_says_what_it_needs_without_wheels(tmp_path):
     assert "no wheels in" in missing.stderr and "bash tools/gpu_check.sh --prepare" in missing.stderr
     usage = run("--help")
     assert usage.returncode == 0 and "--prepare" in usage.stdout and "--peak-tflops" in usage.stdout
+
+
+def test_a_run_past_its_timeout_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
+    with pytest.raises(RuntimeError, match="timeout after 2 s") as failed:
+        gpu_check.run_logged([sys.executable, "-c", script], tmp_path / "run.log", timeout_s=2)
+    assert "started" in str(failed.value)  # the end of the log comes with the error
+    child = int(pid_file.read_text())
+    for _ in range(50):  # killed with the group: gone once reaped by init
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"child {child} of the timed-out run is still alive")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,8 @@ CUDA_TESTS = ("tests/test_compression_cuda.py",
 
 @dataclass(frozen=True)
 class Size:
+    """A GPT shape and its batch (vanilla's; each DiLoCoX cluster runs the same)."""
+
     layers: int
     hidden: int
     heads: int
@@ -164,12 +167,16 @@ def model_flags(size: Size, iters: int, bf16: bool, global_batch: int | None = N
 
 
 def run_logged(cmd: list[str], log: Path, timeout_s: float) -> None:
-    """Runs ``cmd`` in the repo with its output in ``log``; RuntimeError with the log's end on failure."""
+    """Runs ``cmd`` in the repo with its output in ``log``; RuntimeError with the log's end on failure.
+    A run past ``timeout_s`` is killed with its whole process group (torchrun's workers hold the GPU)."""
     start = time.monotonic()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = f"timeout after {timeout_s:.0f} s"
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
@@ -193,6 +200,8 @@ def gib(x: float | None) -> str:
 
 
 class Check:
+    """One run of the check: the device, each part's figures (``results``) and what failed."""
+
     def __init__(self, args):
         import torch
 
