@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import bench_vs_allreduce as bench  # noqa: E402
 from pretrain_flags import flag_value  # noqa: E402
+from vs_allreduce.figures import window_rate  # noqa: E402
 from vs_allreduce.runs import METHODS, Bench, run_order, with_flag  # noqa: E402
 
 HARNESS = [sys.executable, str(REPO / "tools" / "bench_vs_allreduce.py")]
@@ -54,6 +55,12 @@ def _data(ds, tmp_path) -> list[str]:
      "--min-local-steps must be in 1..--local-steps 10, got 11"),
     (["--rate", "10mbit", "--out", "o", "--min-local-steps", "2", "--local-steps-ramp-iters", "0", "--", *PRETRAIN],
      "--min-local-steps bounds the H ramp"),
+    (["--rate", "10mbit", "--out", "o", "--after-ramp-iters", "20", "--methods", "allreduce", "--", *PRETRAIN],
+     "--after-ramp-iters measures dilocox-overlap-compressed after its H ramp"),
+    (["--rate", "10mbit", "--out", "o", "--after-ramp-iters", "20", "--local-steps-ramp-iters", "0", "--",
+      *PRETRAIN], "it needs that method and --local-steps-ramp-iters > 0"),
+    (["--rate", "10mbit", "--out", "o", "--local-steps", "5", "--after-ramp-iters", "12", "--", *PRETRAIN],
+     "--after-ramp-iters must be a multiple of --local-steps 5, at least 15, got 12"),
 ])
 def test_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -78,6 +85,20 @@ def test_ramp_floor_and_outer_settings_reach_every_dilocox_method_only_projectio
             assert flag_value(flags, "--dilocox-local-steps-ramp-iters") == want, method
             assert flag_value(flags, "--dilocox-min-local-steps") == (None if method == "dilocox-sync" else "2")
             assert flag_value(flags, "--dilocox-outer-lr") == "1.4"
+    after_ramp = b._flags("dilocox-overlap-compressed", 15, "m.jsonl", evaluate=False, fixed_h=True)
+    assert flag_value(after_ramp, "--dilocox-local-steps-ramp-iters") == "0"
+    assert flag_value(after_ramp, "--dilocox-min-local-steps") is None
+
+
+def test_window_rate_leaves_out_the_first_round_and_the_drain(tmp_path):
+    # 2 s for the first round of 5 iterations, then 0.5 s an iteration; a drain record after the last.
+    path = tmp_path / "m.jsonl"
+    lines = [dict(iteration=i, lm_loss=5.0, tokens=100 * i, train_s=2.0 + 0.5 * (i - 5) if i >= 5 else 0.4 * i)
+             for i in range(1, 21)]
+    lines.append(dict(iteration=20, outer_step=4, drain=True, wait_s=9.0, bytes_sent=1))
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    window = window_rate(path, 5)
+    assert window == dict(tokens_per_s=200.0, first_iteration=5, last_iteration=20, seconds=7.5)
 
 
 def test_compute_only_runs_first_between_and_last():
@@ -93,13 +114,14 @@ def test_compute_only_runs_first_between_and_last():
 @needs_netns
 def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     """2 clusters x 1 rank at 20 Mbit, 20 iterations: AllReduce, compressed DiLoCoX and compute-only
-    measured, DiLoCoX sync projected from 15 shaped iterations (shorter than the lr warm-up)."""
+    measured, DiLoCoX sync projected from 15 shaped iterations (shorter than the lr warm-up), and
+    compressed DiLoCoX's throughput after its H ramp from 15 more."""
     out, rate = tmp_path / "bench", 20 * 10**6
     before = _namespaces()
     proc = subprocess.run([*HARNESS, "--rate", "20mbit", "--clusters", "2", "--ranks-per-cluster", "1",
                            "--local-steps", "5", "--overlap-mode", "eager", "--eval-interval", "10", "--eval-iters", "2", "--out", str(out),
                            "--methods", "compute-only,dilocox-overlap-compressed,dilocox-sync,allreduce",
-                           "--shaped-iters", "dilocox-sync=15", "--compute-only-repeats", "2",
+                           "--shaped-iters", "dilocox-sync=15", "--compute-only-repeats", "2", "--after-ramp-iters", "15",
                            "--", *PRETRAIN, *_data(tiny_dataset, tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -142,6 +164,16 @@ def test_shaped_run_end_to_end(tiny_dataset, tmp_path):
     assert alone["kind"] == "measured (median of 2 runs)" and len(alone["repeats"]) == 2
     assert alone["tokens_per_s"] == min(r["tokens_per_s"] for r in alone["repeats"])
     assert (out / "compute-only-r1-c1.jsonl").is_file()
+    # After the ramp: the same method at a fixed H, rated from the end of its first round.
+    after = dlx["after_ramp"]
+    assert (after["first_iteration"], after["last_iteration"]) == (5, 15) and after["tokens_per_s"] > 0
+    assert all("--dilocox-local-steps-ramp-iters 0" in c
+               for c in result["commands"]["dilocox-overlap-compressed-after-ramp"])
+    assert "--dilocox-local-steps-ramp-iters" not in str(result["commands"]["dilocox-overlap-compressed"])
+    assert after["speedup_vs_allreduce"] == pytest.approx(after["tokens_per_s"] / ar["tokens_per_s"])
+    assert after["fraction_of_compute_only"] == pytest.approx(after["tokens_per_s"] / alone["steady_tokens_per_s"])
+    assert f"after the H ramp: DiLoCoX eager+comp at H 5, iterations 5-15 over the 20mbit link: " \
+           f"{after['tokens_per_s']:.0f} tokens/s" in proc.stdout
 
 
 def _harness_processes(marker: str) -> list[str]:

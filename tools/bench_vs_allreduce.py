@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shaped-iters", action="append", default=[], metavar="METHOD=N",
                    help="loss from a full unshaped run, throughput from N iterations over the shaped link "
                         "(a DiLoCoX method so projected runs at a fixed H, without the H ramp)")
+    p.add_argument("--after-ramp-iters", type=int, metavar="N",
+                   help="also run dilocox-overlap-compressed N iterations over the shaped link at the fixed H "
+                        "that its H ramp ends in, for the throughput of a long run after the ramp (from the end "
+                        "of the first round, the drain left out; no loss)")
     p.add_argument("--compute-only-repeats", type=int, default=3,
                    help="runs of compute-only, spread over the other methods; its row is their median")
     p.add_argument("--eval-interval", type=int, default=50)
@@ -139,6 +143,13 @@ def check_args(parser, args) -> dict:
         parser.error(f"--min-local-steps must be in 1..--local-steps {args.local_steps}, got {args.min_local_steps}")
     if args.min_local_steps is not None and args.local_steps_ramp_iters == 0:
         parser.error("--min-local-steps bounds the H ramp: it needs --local-steps-ramp-iters > 0")
+    if args.after_ramp_iters is not None:
+        n, h = args.after_ramp_iters, args.local_steps
+        if "dilocox-overlap-compressed" not in methods or args.local_steps_ramp_iters == 0:
+            parser.error("--after-ramp-iters measures dilocox-overlap-compressed after its H ramp: it needs that "
+                         "method and --local-steps-ramp-iters > 0")
+        if n < 3 * h or n % h:
+            parser.error(f"--after-ramp-iters must be a multiple of --local-steps {h}, at least {3 * h}, got {n}")
     if args.compute_only_repeats < 1:
         parser.error(f"--compute-only-repeats must be >= 1, got {args.compute_only_repeats}")
     if args.eval_interval < 1 or args.eval_iters < 1:
@@ -178,7 +189,7 @@ def main(argv=None) -> int:
                  ranks_per_cluster=args.ranks_per_cluster, local_steps=args.local_steps,
                  local_steps_ramp_iters=args.local_steps_ramp_iters, min_local_steps=args.min_local_steps,
                  overlap_mode=args.overlap_mode, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                 compression_args=args.compression_args, seed=args.seed,
+                 compression_args=args.compression_args, seed=args.seed, after_ramp_iters=args.after_ramp_iters,
                  compute_only_repeats=args.compute_only_repeats,
                  pretrain_flags=cfg["pretrain"],
                  harness_command=shlex.join([sys.executable, *sys.argv]))
@@ -207,6 +218,17 @@ def main(argv=None) -> int:
             print(f"projected: {r['label']}: loss and bytes from a full unshaped run; tokens/s measured over the "
                   f"{args.rate} link on iterations {r['shaped_window']['first_iteration']}-"
                   f"{r['shaped_window']['last_iteration']}; train s = tokens / that rate")
+    for r in results:
+        if "after_ramp" in r:
+            s = r["after_ramp"]
+            ratios = ""
+            if s["speedup_vs_allreduce"] is not None:
+                ratios += f", {s['speedup_vs_allreduce']:.1f}x AllReduce"
+            if s["fraction_of_compute_only"] is not None:
+                ratios += (f", {s['fraction_of_compute_only']:.1%} of compute-only's rate from iteration "
+                           f"{args.local_steps} on")
+            print(f"after the H ramp: {r['label']} at H {args.local_steps}, iterations {s['first_iteration']}-"
+                  f"{s['last_iteration']} over the {args.rate} link: {s['tokens_per_s']:.0f} tokens/s{ratios}")
     if "compute-only" in cfg["methods"]:
         alone = next(r for r in results if r["method"] == "compute-only")
         print("compute-only: each cluster trained alone on its share of every batch; its loss is the mean of "

@@ -3,7 +3,8 @@
 # (pipeline-parallel) on 4 CPU processes, the quickstart model (4.2M parameters) and data, every
 # cluster's uplink and downlink shaped to RATE (needs root: network namespaces and tc).
 # Usage (from a clean clone):  bash examples/benchmark/vs_allreduce.sh     (RATE=100mbit bash ... for 100 Mbit)
-# Writes runs/bench_vs_allreduce/$RATE/{results.json,loss_vs_time.png,loss_vs_bytes.png} and prints the table.
+# Writes runs/bench_vs_allreduce/$RATE/{results.json,loss_vs_time.png,loss_vs_bytes.png} and prints the table,
+# then the defaults' throughput after the H ramp (AFTER_RAMP iterations at H, default ITERS; 0: not measured).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "$(id -u)" != 0 ]; then
@@ -26,6 +27,8 @@ OUTER=${OUTER:-}
 OVERLAP=${OVERLAP:-delay}
 CODEC=${CODEC:-}
 OUT=${OUT:-runs/bench_vs_allreduce/$RATE}
+AFTER_RAMP=${AFTER_RAMP:-$ITERS}
+if [ "$AFTER_RAMP" != 0 ]; then OUTER="$OUTER --after-ramp-iters $AFTER_RAMP"; fi
 # Methods whose full run over the link would take too long: loss from a full unshaped run,
 # tokens/s from this many iterations over the shaped link (the table marks them "projected").
 case "$RATE" in

@@ -45,22 +45,32 @@ def measured_figures(path: Path) -> dict:
                 cross_cluster_bytes=_final_bytes(records), curve=curve)
 
 
+def window_rate(path: Path, unit: int) -> dict:
+    """Steady throughput of one run: tokens per training second from the end of iteration
+    ``unit`` (the first round, or step) to the end of the last; the start-up before it and the
+    drain after it are left out."""
+    train = [r for r in read_records(path) if "lm_loss" in r]
+    first, last = next(r for r in train if r["iteration"] == unit), train[-1]
+    seconds = last["train_s"] - first["train_s"]
+    return dict(tokens_per_s=(last["tokens"] - first["tokens"]) / seconds, first_iteration=first["iteration"],
+                last_iteration=last["iteration"], seconds=seconds)
+
+
 def projected_figures(full: Path, short: Path, unit: int) -> dict:
     """Loss and bytes of the unshaped full run; time = tokens / steady shaped throughput."""
     s, records = summarize(str(full)), read_records(full)
-    train = [r for r in read_records(short) if "lm_loss" in r]
-    first, last = next(r for r in train if r["iteration"] == unit), train[-1]
-    rate = (last["tokens"] - first["tokens"]) / (last["train_s"] - first["train_s"])
+    window = window_rate(short, unit)
+    rate = window.pop("tokens_per_s")
     wall = s["tokens"] / rate + _eval_s(records)  # validation as long as in the unshaped run
     return dict(tokens=s["tokens"], train_s=s["tokens"] / rate, wall_s=wall, tokens_per_s=rate,
                 tokens_per_s_wall=s["tokens"] / wall, val_loss=s["val_loss"],
                 cross_cluster_bytes=_final_bytes(records), curve=_curve(records, lambda t: t["tokens"] / rate),
-                shaped_window=dict(first_iteration=first["iteration"], last_iteration=last["iteration"],
-                                   seconds=last["train_s"] - first["train_s"]))
+                shaped_window=window)
 
 
-def compute_only_figures(paths: list[Path]) -> dict:
-    """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean."""
+def compute_only_figures(paths: list[Path], unit: int) -> dict:
+    """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean;
+    ``steady_tokens_per_s`` from the end of iteration ``unit`` on (:func:`window_rate`)."""
     runs = [summarize(str(p)) for p in paths]
     curves = [_curve(read_records(p), lambda t: t["train_s"]) for p in paths]
     curve = [dict(iteration=pts[0]["iteration"], tokens=sum(p["tokens"] for p in pts),
@@ -70,7 +80,8 @@ def compute_only_figures(paths: list[Path]) -> dict:
                 wall_s=max(r["wall_s"] for r in runs), tokens_per_s=sum(r["tokens"] / r["train_s"] for r in runs),
                 tokens_per_s_wall=sum(r["tokens"] / r["wall_s"] for r in runs),
                 val_loss=sum(r["val_loss"] for r in runs) / len(runs), cross_cluster_bytes=0, curve=curve,
-                per_cluster_val_loss=[r["val_loss"] for r in runs])
+                per_cluster_val_loss=[r["val_loss"] for r in runs],
+                steady_tokens_per_s=sum(window_rate(p, unit)["tokens_per_s"] for p in paths))
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -81,3 +92,8 @@ def add_ratios(results: list[dict]) -> None:
         r["fraction_of_compute_only"] = r["tokens_per_s"] / limit["tokens_per_s"] if limit else None
         r["fraction_of_compute_only_wall"] = r["tokens_per_s_wall"] / limit["tokens_per_s_wall"] if limit else None
         r["val_loss_gap_vs_allreduce"] = r["val_loss"] / base["val_loss"] - 1 if base else None
+        steady = r.get("after_ramp")
+        if steady:  # AllReduce's rate is steady already (projected) or nearly (one start-up step in a full run)
+            steady["speedup_vs_allreduce"] = steady["tokens_per_s"] / base["tokens_per_s"] if base else None
+            steady["fraction_of_compute_only"] = (steady["tokens_per_s"] / limit["steady_tokens_per_s"]
+                                                  if limit else None)

@@ -10,7 +10,7 @@ import launch
 import netns
 from compare_runs import read_records
 from pretrain_flags import flag_value
-from vs_allreduce.figures import compute_only_figures, measured_figures, projected_figures
+from vs_allreduce.figures import compute_only_figures, measured_figures, projected_figures, window_rate
 
 DILOCOX = ["--dilocox"]
 METHODS = {  # name: (label, pretrain_gpt.py flags; None = independent clusters); {overlap}: --overlap-mode
@@ -55,7 +55,9 @@ class Bench:
         self.out = Path(args.out)
         self.commands = {}
 
-    def _flags(self, method: str, iters: int, metrics: Path, evaluate: bool) -> list[str]:
+    def _flags(self, method: str, iters: int, metrics: Path, evaluate: bool, fixed_h: bool = False) -> list[str]:
+        """``method``'s pretrain_gpt.py flags; ``fixed_h`` (always for a projected method): a DiLoCoX
+        method without the H ramp, for its throughput in steady rounds."""
         a = self.args
         flags = with_flag(self.cfg["pretrain"], "--train-iters", iters)
         if iters != self.cfg["iters"] and flag_value(flags, "--lr-decay-iters") is None:
@@ -69,10 +71,9 @@ class Bench:
         flags += ["--dilocox-clusters", str(a.clusters), *(f.format(overlap=a.overlap_mode) for f in extra)]
         if extra:
             flags += ["--dilocox-local-steps", str(a.local_steps)]
-            # A projected method runs at a fixed H: its throughput is taken from steady rounds.
-            projected = method in self.cfg["shaped"]
-            ramp = 0 if projected else a.local_steps_ramp_iters
-            floor = None if projected else a.min_local_steps
+            fixed_h = fixed_h or method in self.cfg["shaped"]
+            ramp = 0 if fixed_h else a.local_steps_ramp_iters
+            floor = None if fixed_h else a.min_local_steps
             for flag, value in (("--dilocox-local-steps-ramp-iters", ramp), ("--dilocox-min-local-steps", floor),
                                 ("--dilocox-outer-lr", a.outer_lr), ("--dilocox-outer-momentum", a.outer_momentum)):
                 if value is not None:
@@ -113,12 +114,13 @@ class Bench:
               f"{'' if shaped else ' (unshaped run on loopback)'}", flush=True)
         return dict(link_tx_bytes=tx if shaped else None)
 
-    def trained(self, method: str, iters: int, shaped: bool, tag: str, evaluate: bool = True) -> tuple[Path, dict]:
+    def trained(self, method: str, iters: int, shaped: bool, tag: str, evaluate: bool = True,
+                fixed_h: bool = False) -> tuple[Path, dict]:
         """One training run of ``method``, through the shaped links or (unshaped) all in one
         namespace; returns its metrics file (under DiLoCoX as jobs: cluster 0's) and link counters."""
         a, name = self.args, f"{method}{tag}"
         metrics = self.out / f"{name}.jsonl"
-        flags = ["pretrain_gpt.py", *self._flags(method, iters, metrics, evaluate)]
+        flags = ["pretrain_gpt.py", *self._flags(method, iters, metrics, evaluate, fixed_h)]
         if "--dilocox" in flags:
             namespaces = [self.wan.namespace(k if shaped else 0) for k in range(a.clusters)]
             addresses = [self.wan.address(k) if shaped else "127.0.0.1" for k in range(a.clusters)]
@@ -158,11 +160,21 @@ class Bench:
         print(f"> {label} ({method}{f', run {repeat + 1}' if method == 'compute-only' else ''})", flush=True)
         if method == "compute-only":
             paths, link = self.compute_only(repeat)
-            return dict(method=method, label=label, kind="measured", **link, **compute_only_figures(paths))
+            return dict(method=method, label=label, kind="measured", **link,
+                        **compute_only_figures(paths, self.args.local_steps))
         n = self.cfg["shaped"].get(method)
         if n is None:
             path, link = self.trained(method, self.cfg["iters"], True, "")
-            return dict(method=method, label=label, kind="measured", **link, **measured_figures(path))
+            row = dict(method=method, label=label, kind="measured", **link, **measured_figures(path))
+            if method == "dilocox-overlap-compressed" and self.args.after_ramp_iters:
+                # The run above stays in the H ramp for its first --dilocox-local-steps-ramp-iters;
+                # a long run spends nearly all its time after it, at H: this run measures that.
+                print(f"> {label} after the H ramp: at H {self.args.local_steps}, "
+                      f"{self.args.after_ramp_iters} iterations, throughput only", flush=True)
+                steady, _ = self.trained(method, self.args.after_ramp_iters, True, "-after-ramp",
+                                         evaluate=False, fixed_h=True)
+                row["after_ramp"] = window_rate(steady, self.args.local_steps)
+            return row
         full, _ = self.trained(method, self.cfg["iters"], False, "-unshaped")
         short, link = self.trained(method, n, True, "-shaped", evaluate=False)
         unit = 1 if method == "allreduce" else self.args.local_steps
