@@ -33,6 +33,12 @@ or step), and their training time is tokens / that throughput. Such rows say "pr
 DiLoCoX method projected so runs without the H ramp (``--dilocox-local-steps-ramp-iters 0``),
 whose short rounds are not steady.
 
+``--after-ramp-iters N`` adds what a long run spends nearly all its time in: the
+``dilocox-overlap-compressed`` row's throughput after its H ramp, from N iterations over the
+shaped link at the fixed H (from the end of the first round, the drain left out), against
+compute-only's rate over the same iterations; printed below the table, in ``results.json`` as
+that row's ``after_ramp``.
+
 Throughput is measured on the training clock, which validation pauses (as in Megatron's log:
 under DiLoCoX every cluster validates the global parameters on the whole validation batch,
 compute-only clusters on their share): ``train s`` and ``tokens/s``, with the last round's
