@@ -99,6 +99,7 @@ def test_window_rate_leaves_out_the_first_round_and_the_drain(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     window = window_rate(path, 5)
     assert window == dict(tokens_per_s=200.0, first_iteration=5, last_iteration=20, seconds=7.5)
+    assert window_rate(path, 20) is None  # a run of one round has no steady part
 
 
 def test_compute_only_runs_first_between_and_last():

@@ -45,12 +45,14 @@ def measured_figures(path: Path) -> dict:
                 cross_cluster_bytes=_final_bytes(records), curve=curve)
 
 
-def window_rate(path: Path, unit: int) -> dict:
+def window_rate(path: Path, unit: int) -> dict | None:
     """Steady throughput of one run: tokens per training second from the end of iteration
     ``unit`` (the first round, or step) to the end of the last; the start-up before it and the
-    drain after it are left out."""
+    drain after it are left out. None for a run that ends at ``unit``."""
     train = [r for r in read_records(path) if "lm_loss" in r]
     first, last = next(r for r in train if r["iteration"] == unit), train[-1]
+    if last is first:
+        return None
     seconds = last["train_s"] - first["train_s"]
     return dict(tokens_per_s=(last["tokens"] - first["tokens"]) / seconds, first_iteration=first["iteration"],
                 last_iteration=last["iteration"], seconds=seconds)
@@ -72,6 +74,7 @@ def compute_only_figures(paths: list[Path], unit: int) -> dict:
     """Clusters trained alone, concurrently: tokens and tokens/s add up, loss is their mean;
     ``steady_tokens_per_s`` from the end of iteration ``unit`` on (:func:`window_rate`)."""
     runs = [summarize(str(p)) for p in paths]
+    steady = [window_rate(p, unit) for p in paths]
     curves = [_curve(read_records(p), lambda t: t["train_s"]) for p in paths]
     curve = [dict(iteration=pts[0]["iteration"], tokens=sum(p["tokens"] for p in pts),
                   time_s=max(p["time_s"] for p in pts), bytes=0,
@@ -81,7 +84,7 @@ def compute_only_figures(paths: list[Path], unit: int) -> dict:
                 tokens_per_s_wall=sum(r["tokens"] / r["wall_s"] for r in runs),
                 val_loss=sum(r["val_loss"] for r in runs) / len(runs), cross_cluster_bytes=0, curve=curve,
                 per_cluster_val_loss=[r["val_loss"] for r in runs],
-                steady_tokens_per_s=sum(window_rate(p, unit)["tokens_per_s"] for p in paths))
+                steady_tokens_per_s=sum(w["tokens_per_s"] for w in steady) if all(steady) else None)
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -96,4 +99,4 @@ def add_ratios(results: list[dict]) -> None:
         if steady:  # AllReduce's rate is steady already (projected) or nearly (one start-up step in a full run)
             steady["speedup_vs_allreduce"] = steady["tokens_per_s"] / base["tokens_per_s"] if base else None
             steady["fraction_of_compute_only"] = (steady["tokens_per_s"] / limit["steady_tokens_per_s"]
-                                                  if limit else None)
+                                                  if limit and limit["steady_tokens_per_s"] else None)
