@@ -137,10 +137,12 @@ def rounds(records: list[dict]) -> dict:
     both clusters delivered, and the final fingerprint."""
     applied = [r for r in records if "outer_step" in r and r.get("bytes_sent")]
     drain = next((r for r in records if r.get("drain")), {})
+
+    def median(key: str) -> float | None:
+        return statistics.median(r.get(key, 0.0) for r in applied) if applied else None
+
     return dict(rounds=len(applied), full=sum(r["participants"] == 2 for r in applied),
-                global_sha256=drain.get("global_sha256"),
-                comm_s=statistics.median(r["comm_s"] for r in applied) if applied else None,
-                codec_s=statistics.median(r.get("codec_s", 0.0) for r in applied) if applied else None,
+                global_sha256=drain.get("global_sha256"), comm_s=median("comm_s"), codec_s=median("codec_s"),
                 wait_s=sum(r["wait_s"] for r in applied))
 
 
